@@ -1,0 +1,66 @@
+"""portable_nn: fused, differentiable neural-network kernels for any array library.
+
+``import portable_nn as pnn`` then call ``pnn.layer_norm(x, w, b)`` on NumPy,
+PyTorch, CuPy, JAX or any array-API array; ``pnn.vjp`` gives gradients.
+Importing this package loads neither numba, cupy nor torch.
+"""
+
+from __future__ import annotations
+
+from .api import (
+    ACTIVATIONS,
+    Activation,
+    batch_norm,
+    group_norm,
+    instance_norm,
+    layer_norm,
+    merge_moments,
+    moments,
+    rms_norm,
+)
+from .autodiff import vjp
+from .config import get_backend, get_fallback, set_backend, set_fallback, use_backend
+from .dispatch import (
+    BackendStatus,
+    Call,
+    Explanation,
+    Support,
+    available_backends,
+    capabilities,
+    explain,
+    register_kernel,
+    unregister_kernel,
+)
+from .errors import BackendUnavailableError, FallbackWarning
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ACTIVATIONS",
+    "Activation",
+    "BackendStatus",
+    "BackendUnavailableError",
+    "Call",
+    "Explanation",
+    "FallbackWarning",
+    "Support",
+    "__version__",
+    "available_backends",
+    "batch_norm",
+    "capabilities",
+    "explain",
+    "get_backend",
+    "get_fallback",
+    "group_norm",
+    "instance_norm",
+    "layer_norm",
+    "merge_moments",
+    "moments",
+    "register_kernel",
+    "rms_norm",
+    "set_backend",
+    "set_fallback",
+    "unregister_kernel",
+    "use_backend",
+    "vjp",
+]

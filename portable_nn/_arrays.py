@@ -1,0 +1,146 @@
+"""Array-family helpers: which library an array comes from, its device and dtype.
+
+Everything here works from array-api-compat's type checks, which look at
+``sys.modules`` and therefore never import torch, cupy or jax themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import array_api_compat as aac
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+HALF_DTYPES = ("float16", "bfloat16")
+
+_FAMILY_CHECKS = (
+    ("numpy", aac.is_numpy_array),
+    ("torch", aac.is_torch_array),
+    ("cupy", aac.is_cupy_array),
+    ("jax", aac.is_jax_array),
+    ("dask", aac.is_dask_array),
+)
+
+
+def is_array(value: Any) -> bool:
+    """Whether ``value`` is an array of a library portable_nn can work with."""
+    if isinstance(value, (bool, int, float, complex, str, bytes, list, tuple, dict)):
+        return False
+    try:
+        import numpy as np
+
+        if isinstance(value, np.generic):
+            return False
+    except ImportError:  # pragma: no cover - numpy is a core dependency
+        pass
+    return aac.is_array_api_obj(value)
+
+
+def family(x: Any) -> str:
+    """The array library of ``x``: numpy, torch, cupy, jax, dask, array_api_strict or other."""
+    for name, check in _FAMILY_CHECKS:
+        if check(x):
+            return name
+    module = type(x).__module__.split(".")[0]
+    return module if module else "other"
+
+
+def describe_family(name: str) -> str:
+    """A human name for an array family, used in error messages."""
+    return {
+        "numpy": "a NumPy array",
+        "torch": "a PyTorch tensor",
+        "cupy": "a CuPy array",
+        "jax": "a JAX array",
+        "dask": "a Dask array",
+        "array_api_strict": "an array_api_strict array",
+    }.get(name, f"a {name} array")
+
+
+def device_of(x: Any) -> str:
+    """A normalised device string: ``"cpu"``, ``"cuda:0"``, …"""
+    fam = family(x)
+    if fam == "numpy":
+        return "cpu"
+    if fam == "torch":
+        return str(x.device)
+    if fam == "cupy":
+        return f"cuda:{x.device.id}"
+    dev = aac.device(x)
+    text = str(dev).lower()
+    if "cpu" in text:
+        return "cpu"
+    return text
+
+
+def device_kind(device: str) -> str:
+    """``"cpu"`` or ``"cuda"`` (or the device string's prefix for anything else)."""
+    return device.split(":")[0].split("(")[0].strip() or device
+
+
+def dtype_name(xp: Any, dtype: Any) -> str:
+    """The array-API name of ``dtype`` (``"float32"``, ``"int64"``, …)."""
+    for name in (
+        "float32", "float64", "float16", "bfloat16", "bool",
+        "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+        "complex64", "complex128",
+    ):
+        candidate = getattr(xp, name, None)
+        if candidate is not None and dtype == candidate:
+            return name
+    text = str(dtype)
+    for prefix in ("torch.", "array_api_strict.", "dtype("):
+        text = text.replace(prefix, "")
+    return text.strip("')\"")
+
+
+def namespace(x: Any) -> Any:
+    """The array-API namespace for ``x`` (array-api-compat's wrapper where needed)."""
+    return aac.array_namespace(x)
+
+
+def is_writeable(x: Any) -> bool:
+    """Whether ``x`` can be updated in place (``x[...] = v``)."""
+    return bool(aac.is_writeable_array(x))
+
+
+def is_c_contiguous(x: Any) -> bool:
+    """Whether ``x`` is C-contiguous (true for libraries that hide strides)."""
+    fam = family(x)
+    if fam in ("numpy", "cupy"):
+        return bool(x.flags.c_contiguous)
+    if fam == "torch":
+        return bool(x.is_contiguous())
+    return True
+
+
+def to_numpy_view(x: Any) -> Any:
+    """A zero-copy NumPy view of a CPU torch tensor (or ``x`` itself if NumPy)."""
+    if family(x) == "torch":
+        return x.detach().numpy()
+    return x
+
+
+def from_numpy_like(result: Any, like_family: str) -> Any:
+    """Wrap a NumPy array produced by a kernel back into ``like_family`` without a copy."""
+    if result is None or like_family != "torch":
+        return result
+    import torch
+
+    return torch.from_numpy(result)
+
+
+def ascontiguous(x: Any) -> Any:
+    """A C-contiguous version of ``x`` (a copy only when needed)."""
+    fam = family(x)
+    if fam == "numpy":
+        import numpy as np
+
+        return np.ascontiguousarray(x)
+    if fam == "torch":
+        return x.contiguous()
+    if fam == "cupy":
+        import cupy
+
+        return cupy.ascontiguousarray(x)
+    return x

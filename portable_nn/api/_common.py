@@ -1,0 +1,283 @@
+"""Shared validation and the op-specification plumbing of the public API.
+
+Every public op is a thin function over an :class:`OpSpec`: ``prepare``
+validates and normalises the arguments once (raising ``TypeError`` /
+``ValueError`` that name the argument), producing a :class:`Prepared` whose
+:class:`~portable_nn.dispatch.Call` goes to dispatch.  ``finish`` turns the
+implementation's outputs into what the caller gets back, and is the only
+place where anything the caller passed is mutated (running statistics), after
+every computation has succeeded.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections import namedtuple
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import _arrays, dispatch
+
+_GRAD_TYPES: dict[tuple[str, tuple[str, ...]], type] = {}
+
+
+def grads_type(op: str, fields: tuple[str, ...]) -> type:
+    """The named-tuple class of ``op``'s gradients (one field per differentiable argument)."""
+    key = (op, fields)
+    cls = _GRAD_TYPES.get(key)
+    if cls is None:
+        name = "".join(part.capitalize() for part in op.split("_")) + "Grads"
+        cls = _GRAD_TYPES[key] = namedtuple(name, fields)  # type: ignore[misc]
+    return cls
+
+
+@dataclass
+class Prepared:
+    """A validated call, ready for dispatch.
+
+    Attributes:
+        call: what implementations receive.
+        grad_fields: the op's differentiable arguments, in signature order.
+        values: those arguments as passed (``None`` where not given).
+        n_diff_outputs: how many leading outputs take a cotangent.
+        finish: turns the implementation's outputs into the caller's result.
+    """
+
+    call: dispatch.Call
+    grad_fields: tuple[str, ...]
+    values: dict[str, Any]
+    n_diff_outputs: int = 1
+    finish: Callable[[tuple[Any, ...]], Any] = field(default=lambda outputs: outputs[0])
+
+    @property
+    def given(self) -> frozenset[str]:
+        return frozenset(name for name in self.grad_fields if self.values.get(name) is not None)
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """A public op: its name, its validating ``prepare`` and its gradient fields."""
+
+    name: str
+    prepare: Callable[..., Prepared]
+    grad_fields: tuple[str, ...]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        prepared = self.prepare(*args, **kwargs)
+        executed = dispatch.run(prepared.call)
+        return prepared.finish(executed.outputs)
+
+
+def public_op(spec: OpSpec) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Attach ``spec`` to the public function, so ``vjp`` and ``explain`` find it."""
+
+    def attach(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn._pnn_spec = spec  # type: ignore[attr-defined]
+        _SPECS[spec.name] = spec
+        return fn
+
+    return attach
+
+
+_SPECS: dict[str, OpSpec] = {}
+
+
+def spec_of(op: Any) -> OpSpec:
+    """The :class:`OpSpec` of a public op given as the function or its name."""
+    spec = getattr(op, "_pnn_spec", None)
+    if spec is None and isinstance(op, str):
+        from .. import api  # noqa: F401  - registers every op
+
+        spec = _SPECS.get(op)
+    if spec is None:
+        known = ", ".join(sorted(_SPECS))
+        raise TypeError(f"op must be a portable_nn op (such as pnn.layer_norm) or its name; got {op!r}. Known ops: {known}")
+    return spec
+
+
+# --------------------------------------------------------------------------- arrays
+
+
+def check_array(value: Any, name: str, *, optional: bool = False) -> Any:
+    """``value`` if it is an array (or ``None`` when ``optional``), else ``TypeError``."""
+    if value is None and optional:
+        return None
+    if not _arrays.is_array(value):
+        kind = "None" if value is None else type(value).__name__
+        raise TypeError(
+            f"{name} must be an array (NumPy, PyTorch, CuPy, JAX or any array-API library), got {kind}"
+        )
+    return value
+
+
+def check_same_library(named: Mapping[str, Any]) -> tuple[str, str]:
+    """The common (family, device) of the arrays in ``named``, ignoring ``None`` entries.
+
+    Raises:
+        TypeError: arrays from different libraries.
+        ValueError: arrays on different devices.
+    """
+    present = [(name, value) for name, value in named.items() if value is not None]
+    families = {name: _arrays.family(value) for name, value in present}
+    if len(set(families.values())) > 1:
+        listing = ", ".join(f"{n} is {_arrays.describe_family(f)}" for n, f in families.items())
+        raise TypeError(f"arrays from different libraries in one call: {listing}; pass arrays of one library")
+    devices = {name: _arrays.device_of(value) for name, value in present}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise ValueError(f"arrays on different devices in one call: {listing}; move them to one device")
+    first = present[0][0]
+    return families[first], devices[first]
+
+
+def floating_dtype(xp: Any, value: Any, name: str) -> str:
+    """The dtype name of ``value``; ``TypeError`` unless it is floating point."""
+    dname = _arrays.dtype_name(xp, value.dtype)
+    if dname not in _arrays.FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must have a floating dtype ({', '.join(_arrays.FLOAT_DTYPES)}), got {dname}"
+        )
+    return dname
+
+
+def check_param_dtypes(xp: Any, x_dtype: str, named: Mapping[str, Any], x_name: str = "x") -> bool:
+    """Check parameters share ``x``'s dtype, or are float32 for half ``x``.
+
+    Returns whether the call is mixed precision (half ``x``, float32 parameters).
+    """
+    mixed = None
+    for name, value in named.items():
+        if value is None:
+            continue
+        dname = floating_dtype(xp, value, name)
+        if dname == x_dtype:
+            this_mixed = False
+        elif x_dtype in _arrays.HALF_DTYPES and dname == "float32":
+            this_mixed = True
+        else:
+            allowed = f"{x_dtype}" + (" or float32" if x_dtype in _arrays.HALF_DTYPES else "")
+            raise TypeError(
+                f"{name} has dtype {dname} but {x_name} has {x_dtype}; expected {allowed} "
+                "(the only dtype mix allowed is float16/bfloat16 data with float32 parameters)"
+            )
+        if mixed is None:
+            mixed = this_mixed
+        elif mixed != this_mixed:
+            raise TypeError(
+                f"{name} has dtype {dname}, unlike the other parameters; give all parameters "
+                f"the dtype {x_dtype} or all float32"
+            )
+    return bool(mixed)
+
+
+def check_shape(value: Any, name: str, expected: Sequence[int], what: str = "") -> None:
+    """``ValueError`` unless ``value.shape == expected``."""
+    if value is not None and tuple(value.shape) != tuple(expected):
+        extra = f" ({what})" if what else ""
+        raise ValueError(f"{name} must have shape {tuple(expected)}{extra}, got {tuple(value.shape)}")
+
+
+def check_min_ndim(value: Any, name: str, minimum: int, what: str) -> None:
+    if value.ndim < minimum:
+        raise ValueError(f"{name} must have at least {minimum} dimensions ({what}), got shape {tuple(value.shape)}")
+
+
+def check_writable(value: Any, name: str) -> None:
+    """``ValueError`` for a running statistic that cannot be updated in place."""
+    if value is not None and not _arrays.is_writeable(value):
+        raise ValueError(
+            f"{name} is not writable ({_arrays.describe_family(_arrays.family(value))}); "
+            "pass return_stats=True to get the updated statistics returned instead"
+        )
+
+
+def check_distinct(named: Mapping[str, Any]) -> None:
+    """``ValueError`` if two outputs updated in place are the same array."""
+    present = [(n, v) for n, v in named.items() if v is not None]
+    for i, (name_a, a) in enumerate(present):
+        for name_b, b in present[i + 1 :]:
+            if a is b:
+                raise ValueError(f"{name_a} and {name_b} must be different arrays; they are updated in place")
+
+
+# --------------------------------------------------------------------------- scalars
+
+
+def check_positive_float(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a positive float, got {type(value).__name__}")
+    value = float(value)
+    if not value > 0 or not math.isfinite(value):
+        raise ValueError(f"{name} must be a positive finite number, got {value}")
+    return value
+
+
+def check_fraction(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float in [0, 1], got {type(value).__name__}")
+    value = float(value)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value}")
+    return value
+
+
+def check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool) and not (hasattr(value, "__index__") and value in (0, 1)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def check_int(value: Any, name: str, *, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def normalize_axis(axis: Any, ndim: int, name: str = "axis") -> int:
+    """``axis`` as a non-negative int; ``ValueError`` when out of range."""
+    axis = check_int(axis, name)
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{name}={axis} is out of range for an input with {ndim} dimensions")
+    return axis % ndim
+
+
+def normalize_axes(axis: Any, ndim: int, name: str = "axis") -> tuple[int, ...]:
+    """An int, tuple of ints or ``None`` (all axes) as a sorted tuple of non-negative ints."""
+    if axis is None:
+        return tuple(range(ndim))
+    items = axis if isinstance(axis, (tuple, list)) else (axis,)
+    axes = tuple(normalize_axis(a, ndim, name) for a in items)
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"{name} contains repeated axes: {axis!r}")
+    return tuple(sorted(axes))
+
+
+def channel_layout(channel_axis: Any, ndim: int) -> tuple[int, str]:
+    """Resolve ``channel_axis`` (1 or -1, or any axis) to (axis, layout name)."""
+    axis = normalize_axis(channel_axis, ndim, "channel_axis")
+    if axis == 1:
+        return axis, "channels_first"
+    if axis == ndim - 1:
+        return axis, "channels_last"
+    return axis, "channels_other"
+
+
+def make_call(
+    op: str,
+    arrays: Mapping[str, Any],
+    params: Mapping[str, Any],
+    *,
+    family: str,
+    device: str,
+    dtype: str,
+    layout: str | None = None,
+) -> dispatch.Call:
+    """A :class:`~portable_nn.dispatch.Call` with the namespace of ``arrays``."""
+    first = next(v for v in arrays.values() if v is not None)
+    xp = _arrays.namespace(first)
+    return dispatch.Call(op, arrays, params, xp=xp, family=family, device=device, dtype=dtype, layout=layout)

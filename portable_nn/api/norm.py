@@ -1,0 +1,614 @@
+"""Statistics and normalisation layers: signatures, validation, documentation.
+
+Each op validates its arguments once, resolves axes into a *plan* (how ``x``
+is viewed, which axes are reduced, how parameters broadcast) and hands the
+call to dispatch.  Implementations: ``portable_nn/reference/norm.py`` (every
+array library), ``kernels_cpu/norm.py`` and ``kernels_gpu/norm.py`` where
+present; ``pnn.capabilities()`` lists which backend takes which case.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _arrays
+from ._common import (
+    OpSpec,
+    Prepared,
+    check_array,
+    check_bool,
+    check_distinct,
+    check_fraction,
+    check_int,
+    check_min_ndim,
+    check_param_dtypes,
+    check_positive_float,
+    check_same_library,
+    check_shape,
+    check_writable,
+    channel_layout,
+    floating_dtype,
+    make_call,
+    normalize_axes,
+    public_op,
+)
+from .activations import ActivationLike, parse_activation
+
+__all__ = [
+    "batch_norm",
+    "group_norm",
+    "instance_norm",
+    "layer_norm",
+    "merge_moments",
+    "moments",
+    "rms_norm",
+]
+
+_NORM_FIELDS = ("x", "weight", "bias")
+
+
+# --------------------------------------------------------------------------- shared validation
+
+
+def _check_arrays(named: dict[str, Any], optional: tuple[str, ...]) -> tuple[Any, str, str, str, bool]:
+    """Common checks: arrays, one library and device, floating x, allowed dtype mix.
+
+    Returns ``(xp, family, device, x dtype name, mixed precision)``.
+    """
+    for name, value in named.items():
+        check_array(value, name, optional=name in optional)
+    family, device = check_same_library(named)
+    x = named["x"]
+    xp = _arrays.namespace(x)
+    dtype = floating_dtype(xp, x, "x")
+    params = {k: v for k, v in named.items() if k != "x"}
+    mixed = check_param_dtypes(xp, dtype, params)
+    return xp, family, device, dtype, mixed
+
+
+def _channel_plan(x: Any, channel_axis: Any) -> tuple[int, str, int, tuple[int, ...]]:
+    """(channel axis, layout, channels, per-channel parameter broadcast shape)."""
+    axis, layout = channel_layout(channel_axis, x.ndim)
+    if axis == 0:
+        raise ValueError("channel_axis must not be 0: axis 0 is the batch axis (use 1 or -1)")
+    channels = int(x.shape[axis])
+    param_shape = tuple(channels if i == axis else 1 for i in range(x.ndim))
+    return axis, layout, channels, param_shape
+
+
+def _check_running(running_mean: Any, running_var: Any, channels: int) -> None:
+    if (running_mean is None) != (running_var is None):
+        given = "running_mean" if running_var is None else "running_var"
+        missing = "running_var" if running_var is None else "running_mean"
+        raise ValueError(f"{given} was given without {missing}; pass both running statistics or neither")
+    check_shape(running_mean, "running_mean", (channels,), "one value per channel")
+    check_shape(running_var, "running_var", (channels,), "one value per channel")
+
+
+def _common_params(eps: Any, activation: Any) -> dict[str, Any]:
+    return {"eps": check_positive_float(eps, "eps"), "activation": parse_activation(activation)}
+
+
+def _trailing_axes(axis: Any, x: Any) -> tuple[int, ...]:
+    axes = normalize_axes(axis, x.ndim, "axis")
+    expected = tuple(range(x.ndim - len(axes), x.ndim))
+    if axes != expected:
+        raise ValueError(
+            f"axis={axis!r} must name the trailing axes of x (like PyTorch's normalized_shape), "
+            f"e.g. -1 or {tuple(range(-len(axes), 0))}; x has shape {tuple(x.shape)}"
+        )
+    return axes
+
+
+def _finish_with_stats(
+    running_mean: Any, running_var: Any, return_stats: bool
+) -> Any:
+    """The caller's result; applies in-place running-stat updates last."""
+
+    def finish(outputs: tuple[Any, ...]) -> Any:
+        y, new_mean, new_var = outputs
+        if return_stats:
+            return (
+                y,
+                running_mean if new_mean is None else new_mean,
+                running_var if new_var is None else new_var,
+            )
+        if new_mean is not None:
+            running_mean[...] = new_mean
+            running_var[...] = new_var
+        return y
+
+    return finish
+
+
+def _norm_params(
+    *,
+    axes: tuple[int, ...],
+    view_shape: tuple[int, ...],
+    param_shape: tuple[int, ...],
+    use_batch_stats: bool,
+    center: bool = True,
+    update_running: bool = False,
+    stats_batch_axis: int | None = None,
+    momentum: float = 0.0,
+    mixed: bool,
+    **extra: Any,
+) -> dict[str, Any]:
+    """The normalised arguments every norm implementation receives (see reference/norm.py)."""
+    return {
+        "axes": axes,
+        "view_shape": view_shape,
+        "param_shape": param_shape,
+        "stat_param_shape": param_shape,
+        "use_batch_stats": use_batch_stats,
+        "center": center,
+        "update_running": update_running,
+        "stats_batch_axis": stats_batch_axis,
+        "momentum": momentum,
+        "mixed_precision": mixed,
+        **extra,
+    }
+
+
+# --------------------------------------------------------------------------- moments
+
+
+def _prepare_moments(x: Any, axis: Any = None, *, keepdims: bool = False, correction: float = 0) -> Prepared:
+    check_array(x, "x")
+    family, device = check_same_library({"x": x})
+    xp = _arrays.namespace(x)
+    dtype = floating_dtype(xp, x, "x")
+    axes = normalize_axes(axis, x.ndim, "axis")
+    if isinstance(correction, bool) or not isinstance(correction, (int, float)) or correction < 0:
+        raise ValueError(f"correction must be a non-negative number, got {correction!r}")
+    params = {"axes": axes, "keepdims": check_bool(keepdims, "keepdims"), "correction": float(correction)}
+    call = make_call("moments", {"x": x}, params, family=family, device=device, dtype=dtype)
+    return Prepared(call, ("x",), {"x": x}, n_diff_outputs=2, finish=lambda outputs: tuple(outputs))
+
+
+_MOMENTS = OpSpec("moments", _prepare_moments, ("x",))
+
+
+@public_op(_MOMENTS)
+def moments(x: Any, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False, correction: float = 0) -> tuple[Any, Any]:
+    """Mean and variance of ``x`` over ``axis``, computed stably.
+
+    mean = Σx / n,  var = Σ(x − mean)² / (n − correction), from shifted two-pass
+    sums (never E[x²] − E[x]²), so data with a large offset keeps its precision.
+
+    Args:
+        x: floating array.
+        axis: int, tuple of ints, or ``None`` for all axes.
+        keepdims: keep reduced axes with size 1.
+        correction: 0 for the population variance, 1 for the unbiased one.
+
+    Returns:
+        ``(mean, var)``; float32 for float16/bfloat16 ``x``, else ``x``'s dtype.
+        An empty reduction gives NaN variance when ``n <= correction``.
+
+    ``vjp`` field: ``(x,)``; the pullback takes ``(dmean, dvar)``.
+    Backends: reference (all array libraries).
+    """
+    return _MOMENTS(x, axis, keepdims=keepdims, correction=correction)
+
+
+def merge_moments(a: tuple[Any, Any, Any], b: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+    """Combine partial statistics ``(n, mean, m2)`` of two disjoint parts (Chan et al.).
+
+    ``m2`` is the sum of squared deviations (``var * n`` for the population
+    variance).  With δ = mean_b − mean_a and n = n_a + n_b::
+
+        mean = mean_a + δ · n_b / n,   m2 = m2_a + m2_b + δ² · n_a · n_b / n
+
+    Counts may be Python numbers or arrays broadcasting with the means; a part
+    with ``n = 0`` contributes nothing.  Works on any array-API arrays.
+
+    Returns:
+        ``(n, mean, m2)`` of the union.
+    """
+    for which, part in (("a", a), ("b", b)):
+        if not isinstance(part, (tuple, list)) or len(part) != 3:
+            raise TypeError(f"merge_moments: {which} must be a tuple (n, mean, m2)")
+    n_a, mean_a, m2_a = a
+    n_b, mean_b, m2_b = b
+    arrays = {name: v for name, v in (("mean_a", mean_a), ("m2_a", m2_a), ("mean_b", mean_b), ("m2_b", m2_b)) if _arrays.is_array(v)}
+    if arrays:
+        check_same_library(arrays)
+    n = n_a + n_b
+    if _arrays.is_array(n):
+        xp = _arrays.namespace(n)
+        safe_n = xp.where(n > 0, n, xp.ones_like(n))
+    else:
+        safe_n = n if n > 0 else 1
+    delta = mean_b - mean_a
+    mean = mean_a + delta * (n_b / safe_n)
+    m2 = m2_a + m2_b + delta * delta * (n_a * n_b / safe_n)
+    return n, mean, m2
+
+
+# --------------------------------------------------------------------------- batch norm
+
+
+def _prepare_batch_norm(
+    x: Any,
+    weight: Any = None,
+    bias: Any = None,
+    *,
+    running_mean: Any = None,
+    running_var: Any = None,
+    training: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    channel_axis: int = 1,
+    activation: ActivationLike = "identity",
+    return_stats: bool = False,
+) -> Prepared:
+    named = {"x": x, "weight": weight, "bias": bias, "running_mean": running_mean, "running_var": running_var}
+    xp, family, device, dtype, mixed = _check_arrays(named, ("weight", "bias", "running_mean", "running_var"))
+    check_min_ndim(x, "x", 2, "(N, C, ...)")
+    axis, layout, channels, param_shape = _channel_plan(x, channel_axis)
+    check_shape(weight, "weight", (channels,), "one value per channel")
+    check_shape(bias, "bias", (channels,), "one value per channel")
+    _check_running(running_mean, running_var, channels)
+    params = _common_params(eps, activation)
+    training = check_bool(training, "training")
+    momentum = check_fraction(momentum, "momentum")
+    return_stats = check_bool(return_stats, "return_stats")
+    axes = tuple(i for i in range(x.ndim) if i != axis)
+    per_channel = 1
+    for i in axes:
+        per_channel *= int(x.shape[i])
+    if not training and running_mean is None:
+        raise ValueError("running_mean and running_var are required when training=False")
+    if training and per_channel == 1:
+        raise ValueError(
+            f"x of shape {tuple(x.shape)} has one value per channel; batch statistics need "
+            "more than 1 value per channel when training"
+        )
+    update = training and running_mean is not None
+    if update and not return_stats:
+        check_writable(running_mean, "running_mean")
+        check_writable(running_var, "running_var")
+        check_distinct({"running_mean": running_mean, "running_var": running_var})
+    params.update(
+        _norm_params(
+            axes=axes,
+            view_shape=tuple(x.shape),
+            param_shape=param_shape,
+            use_batch_stats=training,
+            update_running=update,
+            momentum=momentum,
+            mixed=mixed,
+            kind="batch_norm",
+            channel_axis=axis,
+        )
+    )
+    arrays = {"x": x, "weight": weight, "bias": bias, "running_mean": running_mean, "running_var": running_var}
+    call = make_call("batch_norm", arrays, params, family=family, device=device, dtype=dtype, layout=layout)
+    return Prepared(
+        call,
+        _NORM_FIELDS,
+        {"x": x, "weight": weight, "bias": bias},
+        finish=_finish_with_stats(running_mean, running_var, return_stats),
+    )
+
+
+_BATCH_NORM = OpSpec("batch_norm", _prepare_batch_norm, _NORM_FIELDS)
+
+
+@public_op(_BATCH_NORM)
+def batch_norm(
+    x: Any,
+    weight: Any = None,
+    bias: Any = None,
+    *,
+    running_mean: Any = None,
+    running_var: Any = None,
+    training: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    channel_axis: int = 1,
+    activation: ActivationLike = "identity",
+    return_stats: bool = False,
+) -> Any:
+    """Batch normalisation with a fused activation.
+
+    y = act((x − mean_c) / sqrt(var_c + eps) · weight_c + bias_c), statistics per
+    channel over every other axis: the batch's when ``training``, else the
+    running ones.  In training with running statistics, PyTorch's update
+    r ← (1 − momentum)·r + momentum·s runs, with the unbiased batch variance
+    going into ``running_var``.
+
+    Args:
+        x: ``(N, C, *spatial)`` (or ``(N, *spatial, C)`` with ``channel_axis=-1``).
+        weight, bias: ``(C,)`` or ``None`` (no scale / no shift).
+        running_mean, running_var: ``(C,)`` running statistics, keyword-only.
+            Updated in place unless ``return_stats``; required when not training.
+        training: use batch statistics (and update the running ones).
+        momentum: weight of the new batch statistics, in [0, 1].
+        eps: added to the variance, > 0.
+        channel_axis: the channel axis, 1 (NCHW) or -1 (NHWC).
+        activation: see :mod:`portable_nn.api.activations`.
+        return_stats: mutate nothing and return the new statistics instead.
+
+    Returns:
+        ``y`` (``x``'s dtype and shape), or ``(y, new_running_mean,
+        new_running_var)`` with ``return_stats=True``.
+
+    float16/bfloat16 ``x`` may come with float32 parameters and statistics.
+    ``vjp`` fields: ``(x, weight, bias)``.  Backends: reference; see
+    ``pnn.capabilities()`` for kernels.
+    """
+    return _BATCH_NORM(
+        x, weight, bias, running_mean=running_mean, running_var=running_var, training=training,
+        momentum=momentum, eps=eps, channel_axis=channel_axis, activation=activation,
+        return_stats=return_stats,
+    )
+
+
+# --------------------------------------------------------------------------- layer norm, rms norm
+
+
+def _prepare_layer_norm(
+    x: Any,
+    weight: Any = None,
+    bias: Any = None,
+    *,
+    axis: int | tuple[int, ...] = -1,
+    eps: float = 1e-5,
+    activation: ActivationLike = "identity",
+) -> Prepared:
+    xp, family, device, dtype, mixed = _check_arrays({"x": x, "weight": weight, "bias": bias}, ("weight", "bias"))
+    check_min_ndim(x, "x", 1, "the normalised axes")
+    axes = _trailing_axes(axis, x)
+    normalized = tuple(int(x.shape[i]) for i in axes)
+    check_shape(weight, "weight", normalized, "the shape of the normalised axes of x")
+    check_shape(bias, "bias", normalized, "the shape of the normalised axes of x")
+    params = _common_params(eps, activation)
+    param_shape = (1,) * (x.ndim - len(axes)) + normalized
+    params.update(
+        _norm_params(axes=axes, view_shape=tuple(x.shape), param_shape=param_shape,
+                     use_batch_stats=True, mixed=mixed, kind="layer_norm")
+    )
+    call = make_call("layer_norm", {"x": x, "weight": weight, "bias": bias}, params,
+                     family=family, device=device, dtype=dtype)
+    return Prepared(call, _NORM_FIELDS, {"x": x, "weight": weight, "bias": bias})
+
+
+_LAYER_NORM = OpSpec("layer_norm", _prepare_layer_norm, _NORM_FIELDS)
+
+
+@public_op(_LAYER_NORM)
+def layer_norm(
+    x: Any,
+    weight: Any = None,
+    bias: Any = None,
+    *,
+    axis: int | tuple[int, ...] = -1,
+    eps: float = 1e-5,
+    activation: ActivationLike = "identity",
+) -> Any:
+    """Layer normalisation over the trailing ``axis`` with a fused activation.
+
+    y = act((x − mean) / sqrt(var + eps) · weight + bias), statistics over the
+    trailing axes named by ``axis`` (PyTorch's ``normalized_shape``).
+
+    Args:
+        x: any shape with at least the normalised axes.
+        weight, bias: shape ``x.shape[axis]`` (the normalised shape) or ``None``.
+        axis: int or tuple of the trailing axes, e.g. ``-1`` or ``(-2, -1)``.
+        eps: added to the variance, > 0.
+        activation: see :mod:`portable_nn.api.activations`.
+
+    Returns:
+        ``y`` with ``x``'s shape and dtype.  ``vjp`` fields: ``(x, weight, bias)``.
+    """
+    return _LAYER_NORM(x, weight, bias, axis=axis, eps=eps, activation=activation)
+
+
+def _prepare_rms_norm(x: Any, weight: Any = None, *, axis: int | tuple[int, ...] = -1, eps: float = 1e-6) -> Prepared:
+    xp, family, device, dtype, mixed = _check_arrays({"x": x, "weight": weight}, ("weight",))
+    check_min_ndim(x, "x", 1, "the normalised axes")
+    axes = _trailing_axes(axis, x)
+    normalized = tuple(int(x.shape[i]) for i in axes)
+    check_shape(weight, "weight", normalized, "the shape of the normalised axes of x")
+    params = _common_params(eps, "identity")
+    params.update(
+        _norm_params(axes=axes, view_shape=tuple(x.shape), param_shape=(1,) * (x.ndim - len(axes)) + normalized,
+                     use_batch_stats=True, center=False, mixed=mixed, kind="rms_norm")
+    )
+    call = make_call("rms_norm", {"x": x, "weight": weight, "bias": None}, params,
+                     family=family, device=device, dtype=dtype)
+    return Prepared(call, ("x", "weight"), {"x": x, "weight": weight})
+
+
+_RMS_NORM = OpSpec("rms_norm", _prepare_rms_norm, ("x", "weight"))
+
+
+@public_op(_RMS_NORM)
+def rms_norm(x: Any, weight: Any = None, *, axis: int | tuple[int, ...] = -1, eps: float = 1e-6) -> Any:
+    """Root-mean-square normalisation: y = x / sqrt(mean(x²) + eps) · weight.
+
+    Args:
+        x: any shape with at least the normalised axes.
+        weight: shape ``x.shape[axis]`` or ``None``.  There is no bias.
+        axis: int or tuple of the trailing axes.
+        eps: added to the mean square, > 0.
+
+    Returns:
+        ``y`` with ``x``'s shape and dtype.  ``vjp`` fields: ``(x, weight)``.
+    """
+    return _RMS_NORM(x, weight, axis=axis, eps=eps)
+
+
+# --------------------------------------------------------------------------- group norm
+
+
+def _prepare_group_norm(
+    x: Any,
+    num_groups: int,
+    weight: Any = None,
+    bias: Any = None,
+    *,
+    eps: float = 1e-5,
+    channel_axis: int = 1,
+    activation: ActivationLike = "identity",
+) -> Prepared:
+    xp, family, device, dtype, mixed = _check_arrays({"x": x, "weight": weight, "bias": bias}, ("weight", "bias"))
+    check_min_ndim(x, "x", 2, "(N, C, ...)")
+    axis, layout, channels, _ = _channel_plan(x, channel_axis)
+    groups = check_int(num_groups, "num_groups", minimum=1)
+    if channels % groups:
+        raise ValueError(f"num_groups ({groups}) must divide the number of channels ({channels})")
+    check_shape(weight, "weight", (channels,), "one value per channel")
+    check_shape(bias, "bias", (channels,), "one value per channel")
+    params = _common_params(eps, activation)
+    shape = tuple(int(s) for s in x.shape)
+    view = shape[:axis] + (groups, channels // groups) + shape[axis + 1 :]
+    axes = tuple(i for i in range(1, len(view)) if i != axis)
+    param_shape = tuple(view[i] if i in (axis, axis + 1) else 1 for i in range(len(view)))
+    params.update(
+        _norm_params(axes=axes, view_shape=view, param_shape=param_shape, use_batch_stats=True,
+                     mixed=mixed, kind="group_norm", num_groups=groups, channel_axis=axis)
+    )
+    call = make_call("group_norm", {"x": x, "weight": weight, "bias": bias}, params,
+                     family=family, device=device, dtype=dtype, layout=layout)
+    return Prepared(call, _NORM_FIELDS, {"x": x, "weight": weight, "bias": bias})
+
+
+_GROUP_NORM = OpSpec("group_norm", _prepare_group_norm, _NORM_FIELDS)
+
+
+@public_op(_GROUP_NORM)
+def group_norm(
+    x: Any,
+    num_groups: int,
+    weight: Any = None,
+    bias: Any = None,
+    *,
+    eps: float = 1e-5,
+    channel_axis: int = 1,
+    activation: ActivationLike = "identity",
+) -> Any:
+    """Group normalisation with a fused activation.
+
+    The C channels are split into ``num_groups`` groups; each sample's group is
+    normalised over its channels and spatial positions, then scaled and shifted
+    per channel: y = act(x̂ · weight_c + bias_c).
+
+    Args:
+        x: ``(N, C, *spatial)`` (or ``(N, *spatial, C)`` with ``channel_axis=-1``).
+        num_groups: divides C.
+        weight, bias: ``(C,)`` or ``None``.
+        eps: added to the variance, > 0.
+        channel_axis: 1 or -1.
+        activation: see :mod:`portable_nn.api.activations`.
+
+    Returns:
+        ``y`` with ``x``'s shape and dtype.  ``vjp`` fields: ``(x, weight, bias)``.
+    """
+    return _GROUP_NORM(x, num_groups, weight, bias, eps=eps, channel_axis=channel_axis, activation=activation)
+
+
+# --------------------------------------------------------------------------- instance norm
+
+
+def _prepare_instance_norm(
+    x: Any,
+    weight: Any = None,
+    bias: Any = None,
+    *,
+    running_mean: Any = None,
+    running_var: Any = None,
+    use_input_stats: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    channel_axis: int = 1,
+    activation: ActivationLike = "identity",
+    return_stats: bool = False,
+) -> Prepared:
+    named = {"x": x, "weight": weight, "bias": bias, "running_mean": running_mean, "running_var": running_var}
+    xp, family, device, dtype, mixed = _check_arrays(named, ("weight", "bias", "running_mean", "running_var"))
+    check_min_ndim(x, "x", 3, "(N, C, *spatial) with at least one spatial axis")
+    axis, layout, channels, param_shape = _channel_plan(x, channel_axis)
+    check_shape(weight, "weight", (channels,), "one value per channel")
+    check_shape(bias, "bias", (channels,), "one value per channel")
+    _check_running(running_mean, running_var, channels)
+    params = _common_params(eps, activation)
+    use_input_stats = check_bool(use_input_stats, "use_input_stats")
+    momentum = check_fraction(momentum, "momentum")
+    return_stats = check_bool(return_stats, "return_stats")
+    axes = tuple(i for i in range(1, x.ndim) if i != axis)
+    spatial = 1
+    for i in axes:
+        spatial *= int(x.shape[i])
+    if not use_input_stats and running_mean is None:
+        raise ValueError("running_mean and running_var are required when use_input_stats=False")
+    if use_input_stats and spatial == 1:
+        raise ValueError(
+            f"x of shape {tuple(x.shape)} has 1 spatial element; instance statistics need "
+            "more than 1 spatial element when use_input_stats=True"
+        )
+    update = use_input_stats and running_mean is not None
+    if update and not return_stats:
+        check_writable(running_mean, "running_mean")
+        check_writable(running_var, "running_var")
+        check_distinct({"running_mean": running_mean, "running_var": running_var})
+    params.update(
+        _norm_params(axes=axes, view_shape=tuple(x.shape), param_shape=param_shape,
+                     use_batch_stats=use_input_stats, update_running=update, stats_batch_axis=0,
+                     momentum=momentum, mixed=mixed, kind="instance_norm", channel_axis=axis)
+    )
+    call = make_call("instance_norm", named, params, family=family, device=device, dtype=dtype, layout=layout)
+    return Prepared(
+        call,
+        _NORM_FIELDS,
+        {"x": x, "weight": weight, "bias": bias},
+        finish=_finish_with_stats(running_mean, running_var, return_stats),
+    )
+
+
+_INSTANCE_NORM = OpSpec("instance_norm", _prepare_instance_norm, _NORM_FIELDS)
+
+
+@public_op(_INSTANCE_NORM)
+def instance_norm(
+    x: Any,
+    weight: Any = None,
+    bias: Any = None,
+    *,
+    running_mean: Any = None,
+    running_var: Any = None,
+    use_input_stats: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    channel_axis: int = 1,
+    activation: ActivationLike = "identity",
+    return_stats: bool = False,
+) -> Any:
+    """Instance normalisation with a fused activation.
+
+    Each sample's channel is normalised over its spatial positions, then scaled
+    and shifted per channel.  With running statistics and ``use_input_stats``,
+    they are updated as PyTorch does (momentum update with the batch average of
+    the per-instance mean and unbiased variance); with
+    ``use_input_stats=False`` the running statistics normalise instead.
+
+    Args:
+        x: ``(N, C, *spatial)`` with at least one spatial axis (or channels last).
+        weight, bias: ``(C,)`` or ``None``.
+        running_mean, running_var: ``(C,)``, keyword-only, optional.
+        use_input_stats: normalise with each instance's statistics.
+        momentum: in [0, 1].  eps: > 0.  channel_axis: 1 or -1.
+        activation: see :mod:`portable_nn.api.activations`.
+        return_stats: mutate nothing and return ``(y, new_mean, new_var)``.
+
+    Returns:
+        ``y``, or ``(y, new_running_mean, new_running_var)`` with ``return_stats``.
+        ``vjp`` fields: ``(x, weight, bias)``.
+    """
+    return _INSTANCE_NORM(
+        x, weight, bias, running_mean=running_mean, running_var=running_var,
+        use_input_stats=use_input_stats, momentum=momentum, eps=eps, channel_axis=channel_axis,
+        activation=activation, return_stats=return_stats,
+    )

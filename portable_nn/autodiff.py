@@ -1,0 +1,149 @@
+"""``vjp``: one gradient entry point for every op and every backend.
+
+::
+
+    y, pullback = pnn.vjp(pnn.layer_norm, x, w, b, wrt=("weight", "bias"))
+    grads = pullback(dy)            # LayerNormGrads(x=None, weight=..., bias=...)
+
+The forward runs once, on the implementation dispatch selects (one that has a
+backward kernel), keeping only the residuals that kernel needs.  The pullback
+runs the fused backward for the gradients in ``wrt`` only: a gradient nobody
+asked for is neither computed nor allocated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from . import _arrays, dispatch
+from .api._common import Prepared, grads_type, spec_of
+
+__all__ = ["vjp"]
+
+
+def _needs(prepared: Prepared, wrt: Any, op_name: str) -> frozenset[str]:
+    fields = prepared.grad_fields
+    if wrt is None:
+        return prepared.given
+    names = (wrt,) if isinstance(wrt, str) else tuple(wrt) if isinstance(wrt, Iterable) else None
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"wrt must be a name or a tuple of names from {fields}, got {wrt!r}")
+    unknown = [n for n in names if n not in fields]
+    if unknown:
+        raise ValueError(
+            f"wrt: {op_name} has no differentiable argument {unknown[0]!r}; expected names from {fields}"
+        )
+    return frozenset(names) & prepared.given
+
+
+def _cotangents(prepared: Prepared, outputs: tuple[Any, ...], cotangent: Any) -> tuple[Any, ...]:
+    """One cotangent array per differentiable output, ``None`` replaced by zeros."""
+    n = prepared.n_diff_outputs
+    if n == 1:
+        if isinstance(cotangent, (tuple, list)):
+            extra = [c for c in cotangent[1:] if c is not None]
+            if not cotangent or extra:
+                raise ValueError(
+                    "this op has one differentiable output: pass its cotangent (or a tuple "
+                    "whose other entries are None)"
+                )
+            cotangent = cotangent[0]
+        given = (cotangent,)
+    else:
+        if not isinstance(cotangent, (tuple, list)) or len(cotangent) != n:
+            raise ValueError(f"pass a tuple of {n} cotangents (entries may be None), got {type(cotangent).__name__}")
+        given = tuple(cotangent)
+    xp = prepared.call.xp
+    result = []
+    for i, (ct, y) in enumerate(zip(given, outputs)):
+        label = "cotangent" if n == 1 else f"cotangent[{i}]"
+        if ct is None:
+            result.append(xp.zeros_like(y))
+            continue
+        if not _arrays.is_array(ct):
+            raise TypeError(f"{label} must be an array like the output, got {type(ct).__name__}")
+        if _arrays.family(ct) != _arrays.family(y):
+            raise TypeError(
+                f"{label} is {_arrays.describe_family(_arrays.family(ct))} but the output is "
+                f"{_arrays.describe_family(_arrays.family(y))}"
+            )
+        if tuple(ct.shape) != tuple(y.shape):
+            raise ValueError(f"{label} must have the output's shape {tuple(y.shape)}, got {tuple(ct.shape)}")
+        if ct.dtype != y.dtype:
+            raise TypeError(
+                f"{label} has dtype {_arrays.dtype_name(xp, ct.dtype)} but the output has "
+                f"{_arrays.dtype_name(xp, y.dtype)}"
+            )
+        result.append(ct)
+    return tuple(result)
+
+
+def _out_buffers(prepared: Prepared, needs: frozenset[str], out: Any) -> dict[str, Any]:
+    """Validated preallocated gradient buffers by field name."""
+    if out is None:
+        return {}
+    if hasattr(out, "_asdict"):
+        out = out._asdict()
+    if not isinstance(out, Mapping):
+        raise TypeError("out must be a mapping or a gradients named tuple of preallocated buffers")
+    buffers = {}
+    for name, buffer in out.items():
+        if name not in prepared.grad_fields:
+            raise ValueError(f"out: unknown gradient field {name!r}; expected names from {prepared.grad_fields}")
+        if buffer is None or name not in needs:
+            continue
+        like = prepared.values[name]
+        if not _arrays.is_array(buffer) or _arrays.family(buffer) != _arrays.family(like):
+            raise TypeError(f"out[{name!r}] must be an array of the same library as {name}")
+        if tuple(buffer.shape) != tuple(like.shape) or buffer.dtype != like.dtype:
+            raise ValueError(
+                f"out[{name!r}] must have the shape {tuple(like.shape)} and dtype of {name}, got "
+                f"shape {tuple(buffer.shape)}"
+            )
+        if not _arrays.is_writeable(buffer):
+            raise ValueError(f"out[{name!r}] is not writable")
+        buffers[name] = buffer
+    return buffers
+
+
+def vjp(op: Any, *args: Any, wrt: str | Iterable[str] | None = None, **kwargs: Any) -> tuple[Any, Callable[..., Any]]:
+    """Run ``op(*args, **kwargs)`` and return ``(result, pullback)``.
+
+    Args:
+        op: a public op (``pnn.layer_norm``) or its name.
+        *args, **kwargs: the op's arguments, exactly as for a plain call.
+        wrt: the differentiable arguments whose gradients are wanted (names from
+            the op's gradient fields); ``None`` means every one that was given.
+            Unknown names raise ``ValueError``.
+
+    Returns:
+        ``result`` is what the plain call returns (running statistics are
+        updated the same way); ``pullback(cotangent, *, out=None)`` returns a
+        named tuple with one field per differentiable argument in signature
+        order — ``None`` for arguments that were ``None`` or not in ``wrt``.
+        Ops with several differentiable outputs take a tuple of cotangents; any
+        entry may be ``None`` (zero).  ``out`` maps field names (or a gradients
+        named tuple) to preallocated buffers that receive the gradients.  A
+        pullback may be called any number of times.
+    """
+    spec = spec_of(op)
+    prepared = spec.prepare(*args, **kwargs)
+    needs = _needs(prepared, wrt, spec.name)
+    executed = dispatch.run(prepared.call, need_backward=True)
+    result = prepared.finish(executed.outputs)
+    diff_outputs = executed.outputs[: prepared.n_diff_outputs]
+    cls = grads_type(spec.name, prepared.grad_fields)
+
+    def pullback(cotangent: Any, *, out: Any = None) -> Any:
+        cts = _cotangents(prepared, diff_outputs, cotangent)
+        buffers = _out_buffers(prepared, needs, out)
+        grads = executed.backward(cts, needs, buffers) if needs else {}
+        for name, buffer in buffers.items():
+            if grads.get(name) is not buffer:
+                buffer[...] = grads[name]
+                grads[name] = buffer
+        return cls(**{name: grads.get(name) if name in needs else None for name in prepared.grad_fields})
+
+    pullback.__doc__ = f"Pullback of {spec.name}: cotangent(s) of the output(s) -> {cls.__name__}."
+    return result, pullback

@@ -1,0 +1,753 @@
+"""Registry of implementations, selection of one per call, and ``explain``.
+
+Every public op validates its arguments in :mod:`portable_nn.api` and then
+hands a :class:`Call` to :func:`run`.  A :class:`Call` carries the normalised
+arguments plus the facts dispatch selects on: the array family (``numpy``,
+``torch``, ``cupy``, ``jax``, ``array_api_strict`` …), the device, the dtype
+and the data layout.
+
+Each implementation declares what it can take in a :class:`Support`; dispatch
+checks that declaration (kernel bodies never re-check) and either
+
+* runs the backend the configuration forces, or raises
+  :class:`~portable_nn.errors.BackendUnavailableError` saying why it cannot, or
+* under ``auto``, runs the highest-priority implementation that accepts the
+  call, ending with the array-API reference, which accepts everything.
+
+Kernels that work on NumPy arrays declare ``native="numpy"``; dispatch then
+hands them zero-copy NumPy views of CPU torch tensors and wraps their results
+back into tensors, so torch users get the CPU kernels without a copy.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import importlib
+import importlib.util
+import inspect
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _arrays, config
+from .errors import BackendUnavailableError, FallbackWarning
+
+__all__ = [
+    "BackendStatus",
+    "Call",
+    "Explanation",
+    "Implementation",
+    "Support",
+    "available_backends",
+    "backend_names",
+    "capabilities",
+    "explain",
+    "op_names",
+    "register_kernel",
+]
+
+#: Every op that goes through dispatch (the backend configuration accepts these names).
+OPS = (
+    "moments",
+    "batch_norm",
+    "layer_norm",
+    "group_norm",
+    "instance_norm",
+    "rms_norm",
+    "rnn_cell",
+    "lstm_cell",
+    "gru_cell",
+    "rnn",
+    "lstm",
+    "gru",
+    "conv",
+    "dense",
+    "max_pool",
+    "avg_pool",
+    "log_softmax",
+    "cross_entropy",
+)
+
+#: Modules that declare the built-in kernels.  Importing them must stay cheap:
+#: they register lazy references, and numba/cupy load only when a kernel runs.
+_PROVIDERS = ("portable_nn.reference", "kernels_cpu", "kernels_gpu")
+
+
+# --------------------------------------------------------------------------- calls
+
+
+class Call:
+    """One validated call of an op, as implementations receive it.
+
+    Attributes:
+        op: the op name (``"layer_norm"`` …).
+        xp: the array-API namespace of the arrays.
+        family: the array library (``"numpy"``, ``"torch"`` …).
+        device: normalised device string (``"cpu"``, ``"cuda:0"`` …).
+        dtype: array-API name of the main input's dtype.
+        layout: ``"channels_first"``, ``"channels_last"`` or ``None`` where the op
+            has no channel axis.
+        arrays: the array arguments by name (``None`` where not given).
+        params: every other (normalised) argument by name.
+        save: whether the forward must return residuals for a backward pass.
+
+    Arguments are also readable as attributes: ``call.x``, ``call.eps``.
+    """
+
+    __slots__ = ("op", "xp", "family", "device", "dtype", "layout", "arrays", "params", "save")
+
+    def __init__(
+        self,
+        op: str,
+        arrays: Mapping[str, Any],
+        params: Mapping[str, Any] | None = None,
+        *,
+        xp: Any,
+        family: str,
+        device: str,
+        dtype: str,
+        layout: str | None = None,
+        save: bool = False,
+    ) -> None:
+        self.op = op
+        self.xp = xp
+        self.family = family
+        self.device = device
+        self.dtype = dtype
+        self.layout = layout
+        self.arrays = dict(arrays)
+        self.params = dict(params or {})
+        self.save = save
+
+    def __getattr__(self, name: str) -> Any:
+        # __slots__ attributes never reach here; only argument names do.
+        for table in (self.arrays, self.params):
+            if name in table:
+                return table[name]
+        raise AttributeError(f"{self.op} call has no argument {name!r}")
+
+    def replace(self, **changes: Any) -> Call:
+        """A copy with some attributes (``arrays=``, ``xp=``, ``save=`` …) replaced."""
+        fields = {slot: getattr(self, slot) for slot in self.__slots__ if slot != "op"}
+        fields.update(changes)
+        arrays = fields.pop("arrays")
+        params = fields.pop("params")
+        return Call(self.op, arrays, params, **fields)
+
+    def __repr__(self) -> str:
+        shapes = {k: tuple(v.shape) for k, v in self.arrays.items() if v is not None}
+        return (
+            f"Call({self.op}, family={self.family}, device={self.device}, dtype={self.dtype}, "
+            f"layout={self.layout}, shapes={shapes})"
+        )
+
+
+# --------------------------------------------------------------------------- support
+
+
+@dataclass(frozen=True)
+class Support:
+    """What an implementation accepts; dispatch checks it before choosing it.
+
+    Args:
+        families: array libraries accepted (``None``: any).
+        devices: device kinds accepted, ``"cpu"``/``"cuda"`` (``None``: any).
+        dtypes: dtype names of the main input accepted (``None``: any floating).
+        layouts: layouts accepted (``None``: any).
+        contiguous: whether the kernel needs C-contiguous arrays; dispatch then
+            makes contiguous copies of strided inputs and ``explain`` reports them.
+        mixed_precision: whether half-precision ``x`` with float32 parameters is taken.
+        check: optional ``check(call) -> str | None`` returning why the call is
+            declined (sizes, argument values), or ``None`` to accept.
+        native: ``"numpy"`` if the kernel body works on NumPy arrays: CPU torch
+            tensors then reach it as zero-copy NumPy views.
+        description: one line for the capability table (sizes, limits).
+    """
+
+    families: tuple[str, ...] | None = None
+    devices: tuple[str, ...] | None = None
+    dtypes: tuple[str, ...] | None = None
+    layouts: tuple[str, ...] | None = None
+    contiguous: bool = False
+    mixed_precision: bool = True
+    check: Callable[[Call], str | None] | None = None
+    native: str | None = None
+    description: str = ""
+
+    def matches_arrays(self, call: Call) -> str | None:
+        """Why the array family or device rules this out, else ``None``."""
+        if self.families is not None and call.family not in self.families:
+            return f"takes {'/'.join(self.families)} arrays, not {call.family}"
+        kind = _arrays.device_kind(call.device)
+        if self.devices is not None and kind not in self.devices:
+            return f"runs on {'/'.join(self.devices)}, not on {call.device}"
+        return None
+
+    def declines(self, call: Call) -> str | None:
+        """Why this call is outside the declared support (dtype, layout, sizes), else ``None``."""
+        if self.dtypes is not None and call.dtype not in self.dtypes:
+            return f"supports dtypes {', '.join(self.dtypes)}, not {call.dtype}"
+        if not self.mixed_precision and call.params.get("mixed_precision"):
+            return "does not support half-precision input with float32 parameters"
+        if self.layouts is not None and call.layout is not None and call.layout not in self.layouts:
+            return f"supports layouts {', '.join(self.layouts)}, not {call.layout}"
+        if self.check is not None:
+            return self.check(call)
+        return None
+
+
+# --------------------------------------------------------------------------- implementations
+
+
+def _resolve(target: Any) -> Callable[..., Any]:
+    """A function, or ``"module:attr"`` imported on first use."""
+    if callable(target):
+        return target
+    module, _, attr = str(target).partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass
+class Implementation:
+    """One implementation of one op on one backend.
+
+    ``forward(call) -> (outputs, residuals)`` where ``outputs`` is a tuple of
+    arrays; ``backward(residuals, cotangents, needs, out) -> {name: gradient}``
+    where ``cotangents`` has one array per differentiable output, ``needs`` is the
+    set of gradient names wanted and ``out`` maps names to preallocated buffers
+    the backward may write into (it may also ignore them).  Forward and backward
+    may be given as ``"module:function"`` strings, imported on first use.
+    """
+
+    op: str
+    backend: str
+    forward: Any
+    backward: Any = None
+    supports: Support = field(default_factory=Support)
+    priority: int = 0
+    origin: str = "builtin"
+
+    def forward_fn(self) -> Callable[..., Any]:
+        return _resolve(self.forward)
+
+    def backward_fn(self) -> Callable[..., Any] | None:
+        if self.backward is None:
+            return None
+        fn = _resolve(self.backward)
+        return fn if _accepts_out(fn) else _without_out(fn)
+
+
+def _accepts_out(fn: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins, C callables
+        return False
+    return "out" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _without_out(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def backward(residuals: Any, cotangents: Any, needs: Any, out: Any = None) -> Any:
+        return fn(residuals, cotangents, needs)
+
+    return backward
+
+
+_registry: dict[str, list[Implementation]] = {}
+_registry_lock = threading.RLock()
+_providers_loaded = False
+_extra_backends: dict[str, str] = {}
+
+
+def _load_providers() -> None:
+    global _providers_loaded
+    if _providers_loaded:
+        return
+    with _registry_lock:
+        if _providers_loaded:
+            return
+        _providers_loaded = True
+        for module in _PROVIDERS:
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                # A missing kernel package only removes its backend; say so in info.
+                _provider_errors[module] = f"{type(exc).__name__}: {exc}"
+
+
+_provider_errors: dict[str, str] = {}
+
+
+def _add(impl: Implementation) -> None:
+    with _registry_lock:
+        impls = [i for i in _registry.get(impl.op, []) if i.backend != impl.backend]
+        impls.append(impl)
+        _registry[impl.op] = impls
+
+
+def register_builtin(
+    op: str,
+    backend: str,
+    *,
+    forward: Any,
+    backward: Any = None,
+    supports: Support | None = None,
+    priority: int = 0,
+) -> None:
+    """Declare a built-in implementation (used by the reference and kernel packages)."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}")
+    _add(Implementation(op, backend, forward, backward, supports or Support(), priority))
+
+
+def register_kernel(
+    op: str,
+    backend: str,
+    *,
+    forward: Callable[..., Any] | str,
+    backward: Callable[..., Any] | str | None = None,
+    supports: Support | None = None,
+    priority: int = 10,
+) -> None:
+    """Plug a third-party kernel into dispatch without touching the library.
+
+    Args:
+        op: the op it implements (``"layer_norm"`` …; see :data:`OPS`).
+        backend: a backend name; a new name (``"onednn"``) becomes selectable with
+            ``set_backend``/``use_backend`` like the built-in ones.  Registering
+            the same ``(op, backend)`` again replaces the earlier kernel.
+        forward: ``forward(call) -> (outputs, residuals)``; ``outputs`` is a tuple
+            with one array per output of the op (for batch_norm and
+            instance_norm: ``y`` and the new running mean and variance, or
+            ``None`` for those when no running statistics are tracked).
+        backward: ``backward(residuals, cotangents, needs[, out]) -> {name: grad}``;
+            without one, the op is forward-only on this backend and ``vjp``
+            passes it over.
+        supports: the :class:`Support` it declares (default: any array).
+        priority: order under ``auto``; built-in kernels use 0-5, the reference -1.
+    """
+    if op not in OPS:
+        raise ValueError(f"register_kernel: unknown op {op!r}; expected one of {', '.join(OPS)}")
+    if not isinstance(backend, str) or not backend or backend == "auto":
+        raise ValueError("register_kernel: backend must be a non-empty name other than 'auto'")
+    if not callable(forward) and not (isinstance(forward, str) and ":" in forward):
+        raise TypeError("register_kernel: forward must be callable or 'module:function'")
+    if supports is not None and not isinstance(supports, Support):
+        raise TypeError("register_kernel: supports must be a portable_nn.Support")
+    _load_providers()
+    if backend not in config.BUILTIN_BACKENDS:
+        _extra_backends[backend] = "registered with register_kernel"
+    _add(Implementation(op, backend, forward, backward, supports or Support(), priority, "user"))
+
+
+def unregister_kernel(op: str, backend: str) -> None:
+    """Remove an implementation added with :func:`register_kernel`."""
+    with _registry_lock:
+        _registry[op] = [
+            i for i in _registry.get(op, []) if not (i.backend == backend and i.origin == "user")
+        ]
+        if not any(i.backend == backend for impls in _registry.values() for i in impls):
+            _extra_backends.pop(backend, None)
+            _status_cache.pop(backend, None)
+
+
+def implementations(op: str) -> list[Implementation]:
+    """The implementations of ``op``, best first (reference last)."""
+    _load_providers()
+    with _registry_lock:
+        impls = list(_registry.get(op, []))
+    return sorted(impls, key=lambda i: (i.backend == "reference", -i.priority))
+
+
+def op_names() -> tuple[str, ...]:
+    """Names of every dispatched op."""
+    return OPS
+
+
+def backend_names() -> tuple[str, ...]:
+    """The built-in backends plus any added with :func:`register_kernel`."""
+    _load_providers()
+    return (*config.BUILTIN_BACKENDS, *_extra_backends)
+
+
+# --------------------------------------------------------------------------- availability
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """Whether a backend can run on this machine, and if not, why not."""
+
+    name: str
+    available: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.available
+
+    def __str__(self) -> str:
+        return f"{self.name}: {'available' if self.available else 'unavailable'} ({self.reason})"
+
+
+_status_cache: dict[str, BackendStatus] = {}
+
+
+def _probe(name: str) -> BackendStatus:
+    if name == "reference":
+        return BackendStatus(name, True, "array-API implementation, always available")
+    if name == "numba":
+        if importlib.util.find_spec("numba") is None:
+            return BackendStatus(name, False, "the numba package is not installed")
+        if "kernels_cpu" in _provider_errors:
+            return BackendStatus(name, False, f"kernels_cpu failed to load: {_provider_errors['kernels_cpu']}")
+        return BackendStatus(name, True, "numba installed; kernels compile on first use")
+    if name == "numba_cuda":
+        if importlib.util.find_spec("numba") is None:
+            return BackendStatus(name, False, "the numba package is not installed")
+        if ctypes.util.find_library("cuda") is None:
+            return BackendStatus(name, False, "no CUDA driver (libcuda) on this machine")
+        try:
+            from numba import cuda
+
+            if not cuda.is_available():
+                return BackendStatus(name, False, "numba.cuda finds no usable GPU")
+        except Exception as exc:  # pragma: no cover - needs a broken CUDA install
+            return BackendStatus(name, False, f"numba.cuda failed: {exc}")
+        return BackendStatus(name, True, "numba.cuda sees a GPU")
+    if name == "cupy":
+        if importlib.util.find_spec("cupy") is None:
+            return BackendStatus(name, False, "the cupy package is not installed")
+        try:
+            import cupy
+
+            count = cupy.cuda.runtime.getDeviceCount()
+        except Exception as exc:
+            return BackendStatus(name, False, f"cupy finds no GPU ({type(exc).__name__}: {exc})")
+        if count == 0:
+            return BackendStatus(name, False, "cupy finds no GPU")
+        return BackendStatus(name, True, f"cupy sees {count} GPU(s)")
+    if name in _extra_backends:
+        return BackendStatus(name, True, _extra_backends[name])
+    return BackendStatus(name, False, "unknown backend")
+
+
+def backend_status(name: str) -> BackendStatus:
+    """Availability of one backend (probed once, then cached)."""
+    status = _status_cache.get(name)
+    if status is None:
+        status = _status_cache[name] = _probe(name)
+    return status
+
+
+def available_backends() -> dict[str, BackendStatus]:
+    """Every backend mapped to a :class:`BackendStatus` (truthy when available).
+
+    ``pnn.available_backends()["numba"].reason`` says why a backend is missing:
+    package not installed, no GPU driver, no device.
+    """
+    return {name: backend_status(name) for name in backend_names()}
+
+
+# --------------------------------------------------------------------------- selection
+
+
+@dataclass
+class Selection:
+    """The outcome of choosing an implementation for one call."""
+
+    impl: Implementation
+    requested: str
+    source: str
+    copies: list[str]
+    passed_over: list[tuple[str, str]]
+    fallback: bool
+
+
+def _copies_needed(impl: Implementation, call: Call) -> list[str]:
+    if not impl.supports.contiguous:
+        return []
+    return [
+        name
+        for name, value in call.arrays.items()
+        if value is not None and not _arrays.is_c_contiguous(value)
+    ]
+
+
+def _candidate_reason(impl: Implementation, call: Call, need_backward: bool) -> tuple[str | None, bool]:
+    """(why ``impl`` cannot take ``call`` or None, whether it targets these arrays)."""
+    reason = impl.supports.matches_arrays(call)
+    if reason is not None:
+        return reason, False
+    status = backend_status(impl.backend)
+    if not status:
+        return f"backend unavailable: {status.reason}", False
+    reason = impl.supports.declines(call)
+    if reason is None and need_backward and impl.backward is None:
+        reason = "has no backward (gradient) kernel"
+    return reason, True
+
+
+def select(call: Call, need_backward: bool = False, report: bool = True) -> Selection:
+    """Choose the implementation for ``call`` under the current configuration.
+
+    ``report=False`` skips the warning/error of ``set_fallback`` (for ``explain``).
+    """
+    requested, source = config.get_backend(call.op)
+    impls = implementations(call.op)
+    if requested != "auto":
+        return _select_forced(call, impls, requested, source, need_backward)
+    passed: list[tuple[str, str]] = []
+    fallback = False
+    for impl in impls:
+        reason, targeted = _candidate_reason(impl, call, need_backward)
+        if reason is None:
+            if fallback and report:
+                _report_fallback(call, impl, passed)
+            return Selection(impl, requested, source, _copies_needed(impl, call), passed, fallback)
+        passed.append((impl.backend, reason))
+        fallback = fallback or targeted
+    raise BackendUnavailableError(  # pragma: no cover - the reference accepts every call
+        f"no implementation of {call.op} accepts {call!r}"
+    )
+
+
+def _select_forced(
+    call: Call, impls: list[Implementation], requested: str, source: str, need_backward: bool
+) -> Selection:
+    status = backend_status(requested)
+    where = f"backend {requested!r} (set by {source})"
+    if not status:
+        raise BackendUnavailableError(f"{call.op}: {where} is not available: {status.reason}")
+    chosen = [i for i in impls if i.backend == requested]
+    if not chosen:
+        raise BackendUnavailableError(f"{call.op}: {where} has no implementation of {call.op}")
+    impl = chosen[0]
+    reason, _ = _candidate_reason(impl, call, need_backward)
+    if reason is not None:
+        raise BackendUnavailableError(
+            f"{call.op}: {where} cannot run this call: it {reason} "
+            f"({_arrays.describe_family(call.family)} on {call.device}, dtype {call.dtype}"
+            f"{', layout ' + call.layout if call.layout else ''})"
+        )
+    return Selection(impl, requested, source, _copies_needed(impl, call), [], False)
+
+
+def _report_fallback(call: Call, impl: Implementation, passed: list[tuple[str, str]]) -> None:
+    mode = config.get_fallback()
+    if mode == "allow":
+        return
+    why = "; ".join(f"{backend} {reason}" for backend, reason in passed)
+    message = f"{call.op}: falling back to the {impl.backend} implementation because {why}"
+    if mode == "error":
+        raise BackendUnavailableError(message + " (set_fallback('error') is in force)")
+    warnings.warn(message, FallbackWarning, stacklevel=4)
+
+
+# --------------------------------------------------------------------------- running
+
+
+class Bridge:
+    """Moves arrays between the caller's library and an implementation's native one."""
+
+    def __init__(self, family: str, native: str | None) -> None:
+        self.active = native == "numpy" and family == "torch"
+        self.family = family
+
+    def inward(self, value: Any) -> Any:
+        if not self.active or value is None or not _arrays.is_array(value):
+            return value
+        return _arrays.to_numpy_view(value)
+
+    def outward(self, value: Any) -> Any:
+        if not self.active or value is None:
+            return value
+        if isinstance(value, tuple):
+            return tuple(self.outward(v) for v in value)
+        if isinstance(value, list):
+            return [self.outward(v) for v in value]
+        return _arrays.from_numpy_like(value, self.family)
+
+
+def _bridge_call(call: Call, selection: Selection, bridge: Bridge) -> Call:
+    arrays = dict(call.arrays)
+    for name in selection.copies:
+        arrays[name] = _arrays.ascontiguous(arrays[name])
+    if bridge.active:
+        import array_api_compat.numpy as np_xp
+
+        arrays = {k: bridge.inward(v) for k, v in arrays.items()}
+        return call.replace(arrays=arrays, xp=np_xp, family="numpy")
+    return call.replace(arrays=arrays)
+
+
+class _NoGrad:
+    """``torch.no_grad()`` for torch calls, nothing otherwise."""
+
+    def __init__(self, family: str) -> None:
+        self.ctx = None
+        if family == "torch":
+            import torch
+
+            self.ctx = torch.no_grad()
+
+    def __enter__(self) -> None:
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+
+
+@dataclass
+class Executed:
+    """A forward that ran: its outputs and what a backward needs."""
+
+    outputs: tuple[Any, ...]
+    residuals: Any
+    impl: Implementation
+    bridge: Bridge
+    family: str
+
+    def backward(self, cotangents: tuple[Any, ...], needs: frozenset[str], out: Mapping[str, Any]) -> dict:
+        fn = self.impl.backward_fn()
+        if fn is None:  # pragma: no cover - select() rules this out for vjp
+            raise BackendUnavailableError(f"{self.impl.backend} has no backward for {self.impl.op}")
+        cts = tuple(self.bridge.inward(c) for c in cotangents)
+        buffers = {k: self.bridge.inward(v) for k, v in out.items() if v is not None}
+        with _NoGrad(self.family):
+            grads = fn(self.residuals, cts, needs, buffers)
+        return {k: self.bridge.outward(v) for k, v in grads.items()}
+
+
+def run(call: Call, need_backward: bool = False) -> Executed:
+    """Select an implementation for ``call`` and run its forward."""
+    selection = select(call, need_backward)
+    impl = selection.impl
+    bridge = Bridge(call.family, impl.supports.native)
+    inner = _bridge_call(call, selection, bridge).replace(save=need_backward)
+    with _NoGrad(call.family):
+        outputs, residuals = impl.forward_fn()(inner)
+    return Executed(bridge.outward(tuple(outputs)), residuals, impl, bridge, call.family)
+
+
+# --------------------------------------------------------------------------- introspection
+
+
+@dataclass
+class Explanation:
+    """What ``explain`` found: the implementation that would run and why."""
+
+    op: str
+    backend: str
+    requested: str
+    source: str
+    copies: list[str]
+    passed_over: list[tuple[str, str]]
+    fallback: bool
+    call: Call
+    error: str | None = None
+
+    @property
+    def implementation(self) -> str:
+        return f"{self.op}[{self.backend}]"
+
+    def __str__(self) -> str:
+        c = self.call
+        lines = [
+            f"{self.op} on {_arrays.describe_family(c.family)} (device {c.device}, dtype {c.dtype}"
+            + (f", layout {c.layout})" if c.layout else ")"),
+            f"  backend requested: {self.requested} (from {self.source})",
+        ]
+        if self.error is not None:
+            lines.append(f"  would raise BackendUnavailableError: {self.error}")
+            return "\n".join(lines)
+        lines.append(f"  runs: {self.implementation}")
+        lines.append(
+            "  copies: "
+            + (", ".join(f"{n} made C-contiguous" for n in self.copies) if self.copies else "none")
+        )
+        if self.fallback:
+            lines.append("  fallback: a kernel for these arrays declined the call")
+        for backend, reason in self.passed_over:
+            lines.append(f"  passed over {backend}: {reason}")
+        return "\n".join(lines)
+
+
+def explain_call(call: Call) -> Explanation:
+    """The :class:`Explanation` for an already validated call."""
+    requested, source = config.get_backend(call.op)
+    try:
+        sel = select(call, report=False)
+    except BackendUnavailableError as exc:
+        return Explanation(call.op, "", requested, source, [], [], False, call, str(exc))
+    passed = list(sel.passed_over)
+    seen = {b for b, _ in passed} | {sel.impl.backend}
+    for impl in implementations(call.op):
+        if impl.backend not in seen:
+            reason, _ = _candidate_reason(impl, call, False)
+            passed.append((impl.backend, reason or f"lower priority than {sel.impl.backend}"))
+    return Explanation(call.op, sel.impl.backend, requested, source, sel.copies, passed, sel.fallback, call)
+
+
+def explain(op: Any, *args: Any, **kwargs: Any) -> Explanation:
+    """Which implementation ``op(*args, **kwargs)`` would run, and why.
+
+    ``op`` is a public op (``pnn.layer_norm``) or its name.  Nothing is computed:
+    the arguments are validated as the op would, then dispatch reports its
+    choice, any contiguous copies, and why every other candidate was passed
+    over.  ``str()`` of the result is a readable report.
+    """
+    from .api._common import spec_of
+
+    spec = spec_of(op)
+    prepared = spec.prepare(*args, **kwargs)
+    return explain_call(prepared.call)
+
+
+def capabilities() -> list[dict[str, str]]:
+    """The op × backend table, from the implementations' own declarations.
+
+    Each row: ``op``, ``backend``, ``arrays`` (families and devices), ``dtypes``,
+    ``layouts``, ``notes`` (contiguity, sizes, forward-only), ``available``.
+    """
+    rows = []
+    for op in OPS:
+        for impl in implementations(op):
+            s = impl.supports
+            notes = []
+            if s.contiguous:
+                notes.append("copies strided input to C order")
+            if s.native == "numpy":
+                notes.append("torch CPU tensors zero-copy")
+            if impl.backward is None:
+                notes.append("forward only")
+            if s.description:
+                notes.append(s.description)
+            rows.append(
+                {
+                    "op": op,
+                    "backend": impl.backend,
+                    "arrays": (
+                        ("/".join(s.families) if s.families else "any")
+                        + " on "
+                        + ("/".join(s.devices) if s.devices else "any device")
+                    ),
+                    "dtypes": ", ".join(s.dtypes) if s.dtypes else "all floating",
+                    "layouts": ", ".join(s.layouts) if s.layouts else "all",
+                    "notes": "; ".join(notes),
+                    "available": "yes" if backend_status(impl.backend) else "no",
+                }
+            )
+    return rows
+
+
+def format_capabilities(rows: Iterable[Mapping[str, str]] | None = None) -> str:
+    """The capability table as aligned text (used by ``python -m portable_nn info``)."""
+    rows = list(capabilities() if rows is None else rows)
+    columns = ("op", "backend", "arrays", "dtypes", "layouts", "available", "notes")
+    widths = {c: max([len(c), *(len(r[c]) for r in rows)]) for c in columns}
+    lines = ["  ".join(c.ljust(widths[c]) for c in columns).rstrip()]
+    lines.append("  ".join("-" * widths[c] for c in columns))
+    lines += ["  ".join(r[c].ljust(widths[c]) for c in columns).rstrip() for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,35 @@
+"""pytest configuration: GPU skipping and configuration isolation between tests."""
+
+from __future__ import annotations
+
+import pytest
+
+import portable_nn as pnn
+
+
+def _cupy_has_device() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if any(item.get_closest_marker("gpu") for item in items) and not _cupy_has_device():
+        skip = pytest.mark.skip(reason="needs a CUDA device visible to CuPy")
+        for item in items:
+            if item.get_closest_marker("gpu"):
+                item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _reset_backend_config(monkeypatch):
+    """Every test starts from the default configuration and leaves it that way."""
+    monkeypatch.delenv("PORTABLE_NN_BACKEND", raising=False)
+    pnn.set_backend(None)
+    pnn.set_fallback("allow")
+    yield
+    pnn.set_backend(None)
+    pnn.set_fallback("allow")
