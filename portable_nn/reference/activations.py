@@ -94,3 +94,32 @@ def derivative(xp: Any, z: Any, act: Activation) -> Any:
     if name == "leaky_relu":
         return xp.where(z > 0, xp.ones_like(z), xp.full_like(z, act.slope))
     raise AssertionError(name)  # pragma: no cover
+
+
+#: Activations whose derivative is a function of the output alone; their
+#: backward keeps only y, not the pre-activation.
+OUTPUT_DERIVATIVE = frozenset({"identity", "relu", "sigmoid", "tanh"})
+
+
+def derivative_from_output(xp: Any, y: Any, act: Activation) -> Any:
+    """act'(z) written in terms of y = act(z), for :data:`OUTPUT_DERIVATIVE` activations.
+
+    (leaky_relu with a positive slope also qualifies: y > 0 exactly when z > 0.)
+    """
+    name = act.name
+    if name == "identity":
+        return xp.ones_like(y)
+    if name == "relu":
+        return xp.astype(y > 0, y.dtype)
+    if name == "sigmoid":
+        return y * (1.0 - y)
+    if name == "tanh":
+        return 1.0 - y * y
+    if name == "leaky_relu" and act.slope > 0:
+        return xp.where(y > 0, xp.ones_like(y), xp.full_like(y, act.slope))
+    raise ValueError(f"the derivative of {name} is not a function of its output")
+
+
+def keeps_output_only(act: Activation) -> bool:
+    """Whether the backward can work from y alone (no pre-activation kept)."""
+    return act.name in OUTPUT_DERIVATIVE or (act.name == "leaky_relu" and act.slope > 0)
