@@ -96,7 +96,7 @@ class Call:
     Arguments are also readable as attributes: ``call.x``, ``call.eps``.
     """
 
-    __slots__ = ("op", "xp", "family", "device", "dtype", "layout", "arrays", "params", "save")
+    __slots__ = ("arrays", "device", "dtype", "family", "layout", "op", "params", "save", "xp")
 
     def __init__(
         self,
@@ -400,7 +400,7 @@ def _probe(name: str) -> BackendStatus:
             return BackendStatus(name, False, "the numba package is not installed")
         if "kernels_cpu" in _provider_errors:
             return BackendStatus(name, False, f"kernels_cpu failed to load: {_provider_errors['kernels_cpu']}")
-        return BackendStatus(name, True, "numba installed; kernels compile on first use")
+        return BackendStatus(name, True, "numba installed; kernels compile on first use" + _none_declared(name))
     if name == "numba_cuda":
         if importlib.util.find_spec("numba") is None:
             return BackendStatus(name, False, "the numba package is not installed")
@@ -429,6 +429,12 @@ def _probe(name: str) -> BackendStatus:
     if name in _extra_backends:
         return BackendStatus(name, True, _extra_backends[name])
     return BackendStatus(name, False, "unknown backend")
+
+
+def _none_declared(backend: str) -> str:
+    with _registry_lock:
+        declared = any(i.backend == backend for impls in _registry.values() for i in impls)
+    return "" if declared else " (no kernels declared yet: every op runs on the reference)"
 
 
 def backend_status(name: str) -> BackendStatus:

@@ -93,7 +93,9 @@ def spec_of(op: Any) -> OpSpec:
         spec = _SPECS.get(op)
     if spec is None:
         known = ", ".join(sorted(_SPECS))
-        raise TypeError(f"op must be a portable_nn op (such as pnn.layer_norm) or its name; got {op!r}. Known ops: {known}")
+        raise TypeError(
+            f"op must be a portable_nn op (such as pnn.layer_norm) or its name; got {op!r}. Known ops: {known}"
+        )
     return spec
 
 

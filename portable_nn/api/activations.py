@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 __all__ = ["ACTIVATIONS", "Activation", "ActivationLike", "parse_activation"]
 
@@ -59,7 +59,7 @@ class Activation:
         return self.name
 
 
-ActivationLike = Union[str, tuple, Activation]
+ActivationLike = str | tuple | Activation
 
 
 def parse_activation(value: Any, name: str = "activation") -> Activation:

@@ -15,6 +15,7 @@ from .. import _arrays
 from ._common import (
     OpSpec,
     Prepared,
+    channel_layout,
     check_array,
     check_bool,
     check_distinct,
@@ -26,7 +27,6 @@ from ._common import (
     check_same_library,
     check_shape,
     check_writable,
-    channel_layout,
     floating_dtype,
     make_call,
     normalize_axes,
@@ -170,7 +170,9 @@ _MOMENTS = OpSpec("moments", _prepare_moments, ("x",))
 
 
 @public_op(_MOMENTS)
-def moments(x: Any, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False, correction: float = 0) -> tuple[Any, Any]:
+def moments(
+    x: Any, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False, correction: float = 0
+) -> tuple[Any, Any]:
     """Mean and variance of ``x`` over ``axis``, computed stably.
 
     mean = Σx / n,  var = Σ(x − mean)² / (n − correction), from shifted two-pass
@@ -211,7 +213,8 @@ def merge_moments(a: tuple[Any, Any, Any], b: tuple[Any, Any, Any]) -> tuple[Any
             raise TypeError(f"merge_moments: {which} must be a tuple (n, mean, m2)")
     n_a, mean_a, m2_a = a
     n_b, mean_b, m2_b = b
-    arrays = {name: v for name, v in (("mean_a", mean_a), ("m2_a", m2_a), ("mean_b", mean_b), ("m2_b", m2_b)) if _arrays.is_array(v)}
+    named = {"mean_a": mean_a, "m2_a": m2_a, "mean_b": mean_b, "m2_b": m2_b}
+    arrays = {name: v for name, v in named.items() if _arrays.is_array(v)}
     if arrays:
         check_same_library(arrays)
     n = n_a + n_b
@@ -244,7 +247,7 @@ def _prepare_batch_norm(
     return_stats: bool = False,
 ) -> Prepared:
     named = {"x": x, "weight": weight, "bias": bias, "running_mean": running_mean, "running_var": running_var}
-    xp, family, device, dtype, mixed = _check_arrays(named, ("weight", "bias", "running_mean", "running_var"))
+    _, family, device, dtype, mixed = _check_arrays(named, ("weight", "bias", "running_mean", "running_var"))
     check_min_ndim(x, "x", 2, "(N, C, ...)")
     axis, layout, channels, param_shape = _channel_plan(x, channel_axis)
     check_shape(weight, "weight", (channels,), "one value per channel")
@@ -358,7 +361,7 @@ def _prepare_layer_norm(
     eps: float = 1e-5,
     activation: ActivationLike = "identity",
 ) -> Prepared:
-    xp, family, device, dtype, mixed = _check_arrays({"x": x, "weight": weight, "bias": bias}, ("weight", "bias"))
+    _, family, device, dtype, mixed = _check_arrays({"x": x, "weight": weight, "bias": bias}, ("weight", "bias"))
     check_min_ndim(x, "x", 1, "the normalised axes")
     axes = _trailing_axes(axis, x)
     normalized = tuple(int(x.shape[i]) for i in axes)
@@ -407,7 +410,7 @@ def layer_norm(
 
 
 def _prepare_rms_norm(x: Any, weight: Any = None, *, axis: int | tuple[int, ...] = -1, eps: float = 1e-6) -> Prepared:
-    xp, family, device, dtype, mixed = _check_arrays({"x": x, "weight": weight}, ("weight",))
+    _, family, device, dtype, mixed = _check_arrays({"x": x, "weight": weight}, ("weight",))
     check_min_ndim(x, "x", 1, "the normalised axes")
     axes = _trailing_axes(axis, x)
     normalized = tuple(int(x.shape[i]) for i in axes)
@@ -454,7 +457,7 @@ def _prepare_group_norm(
     channel_axis: int = 1,
     activation: ActivationLike = "identity",
 ) -> Prepared:
-    xp, family, device, dtype, mixed = _check_arrays({"x": x, "weight": weight, "bias": bias}, ("weight", "bias"))
+    _, family, device, dtype, mixed = _check_arrays({"x": x, "weight": weight, "bias": bias}, ("weight", "bias"))
     check_min_ndim(x, "x", 2, "(N, C, ...)")
     axis, layout, channels, _ = _channel_plan(x, channel_axis)
     groups = check_int(num_groups, "num_groups", minimum=1)
@@ -464,7 +467,7 @@ def _prepare_group_norm(
     check_shape(bias, "bias", (channels,), "one value per channel")
     params = _common_params(eps, activation)
     shape = tuple(int(s) for s in x.shape)
-    view = shape[:axis] + (groups, channels // groups) + shape[axis + 1 :]
+    view = (*shape[:axis], groups, channels // groups, *shape[axis + 1 :])
     axes = tuple(i for i in range(1, len(view)) if i != axis)
     param_shape = tuple(view[i] if i in (axis, axis + 1) else 1 for i in range(len(view)))
     params.update(
@@ -528,7 +531,7 @@ def _prepare_instance_norm(
     return_stats: bool = False,
 ) -> Prepared:
     named = {"x": x, "weight": weight, "bias": bias, "running_mean": running_mean, "running_var": running_var}
-    xp, family, device, dtype, mixed = _check_arrays(named, ("weight", "bias", "running_mean", "running_var"))
+    _, family, device, dtype, mixed = _check_arrays(named, ("weight", "bias", "running_mean", "running_var"))
     check_min_ndim(x, "x", 3, "(N, C, *spatial) with at least one spatial axis")
     axis, layout, channels, param_shape = _channel_plan(x, channel_axis)
     check_shape(weight, "weight", (channels,), "one value per channel")

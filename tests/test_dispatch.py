@@ -1,0 +1,208 @@
+"""Dispatch: selection, explain, capabilities, availability, third-party kernels, array families."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import portable_nn as pnn
+from pnn_testing import HAS_STRICT, HAS_TORCH, to_numpy
+
+torch = pytest.importorskip("torch") if HAS_TORCH else None
+
+
+def _x(shape=(4, 6), seed=0):
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
+def test_available_backends_reports_reasons():
+    status = pnn.available_backends()
+    assert set(status) >= {"reference", "numba", "numba_cuda", "cupy"}
+    assert status["reference"] and status["reference"].available
+    for name, st in status.items():
+        assert isinstance(st.reason, str) and st.reason, name
+        assert bool(st) == st.available
+
+
+def test_explain_names_implementation_and_passed_over_candidates():
+    x = _x()
+    report = pnn.explain(pnn.layer_norm, x, np.ones(6), np.zeros(6))
+    assert report.backend == "reference"
+    assert report.implementation == "layer_norm[reference]"
+    text = str(report)
+    assert "runs: layer_norm[reference]" in text
+    assert "copies: none" in text
+    assert "NumPy" in text and "float64" in text
+
+
+def test_explain_accepts_op_names_and_validates():
+    assert pnn.explain("batch_norm", _x((4, 3, 2))).backend == "reference"
+    with pytest.raises(ValueError, match="eps"):
+        pnn.explain(pnn.layer_norm, _x(), eps=0)
+    with pytest.raises(TypeError, match="portable_nn op"):
+        pnn.explain(np.mean, _x())
+
+
+def test_explain_reports_a_forced_backend_that_would_raise():
+    with pnn.use_backend("cupy"):
+        text = str(pnn.explain(pnn.layer_norm, _x()))
+    assert "would raise BackendUnavailableError" in text and "cupy" in text
+
+
+def test_capabilities_table_comes_from_declarations():
+    rows = pnn.capabilities()
+    keys = {"op", "backend", "arrays", "dtypes", "layouts", "notes", "available"}
+    assert rows and all(set(r) == keys for r in rows)
+    ops = {r["op"] for r in rows if r["backend"] == "reference"}
+    assert {"moments", "batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm"} <= ops
+
+    pnn.register_kernel(
+        "rms_norm", "toy", forward=lambda call: ((call.x,), None),
+        supports=pnn.Support(families=("numpy",), dtypes=("float32",), contiguous=True, description="N <= 8"),
+    )
+    try:
+        row = next(r for r in pnn.capabilities() if r["backend"] == "toy")
+        assert row["op"] == "rms_norm" and row["dtypes"] == "float32" and "numpy" in row["arrays"]
+        assert "forward only" in row["notes"] and "N <= 8" in row["notes"] and "C order" in row["notes"]
+    finally:
+        pnn.unregister_kernel("rms_norm", "toy")
+
+
+def test_register_kernel_forward_and_backward_are_used():
+    seen = {}
+
+    def forward(call):
+        seen["forward"] = (call.family, call.dtype, call.save, call.eps)
+        y = call.x * 2.0
+        return (y,), ("saved", call.x)
+
+    def backward(residuals, cotangents, needs):
+        seen["backward"] = (residuals[0], sorted(needs))
+        return {"x": cotangents[0] * 2.0}
+
+    pnn.register_kernel("rms_norm", "doubler", forward=forward, backward=backward, priority=100)
+    try:
+        x = _x()
+        np.testing.assert_array_equal(pnn.rms_norm(x), 2 * x)
+        assert seen["forward"] == ("numpy", "float64", False, 1e-6)
+        y, pullback = pnn.vjp(pnn.rms_norm, x, eps=1e-3)
+        grads = pullback(np.ones_like(y))
+        assert seen["forward"][2:] == (True, 1e-3)
+        assert seen["backward"] == ("saved", ["x"])
+        np.testing.assert_array_equal(grads.x, np.full_like(x, 2.0))
+        assert grads.weight is None
+        with pnn.use_backend("doubler"):
+            assert pnn.explain(pnn.rms_norm, x).backend == "doubler"
+        with pnn.use_backend("reference"):
+            assert not np.allclose(pnn.rms_norm(x), 2 * x)
+    finally:
+        pnn.unregister_kernel("rms_norm", "doubler")
+    assert pnn.explain(pnn.rms_norm, _x()).backend == "reference"
+
+
+def test_forward_only_kernel_is_passed_over_by_vjp():
+    pnn.register_kernel("rms_norm", "fwd_only", forward=lambda call: ((call.x * 0,), None), priority=100)
+    try:
+        x = _x()
+        assert np.all(pnn.rms_norm(x) == 0)
+        y, _ = pnn.vjp(pnn.rms_norm, x)
+        assert not np.all(y == 0)  # the reference ran, since fwd_only cannot give gradients
+        with pnn.use_backend("fwd_only"), pytest.raises(pnn.BackendUnavailableError, match="backward"):
+            pnn.vjp(pnn.rms_norm, x)
+    finally:
+        pnn.unregister_kernel("rms_norm", "fwd_only")
+
+
+def test_register_kernel_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="unknown op"):
+        pnn.register_kernel("softmax9", "x", forward=lambda c: c)
+    with pytest.raises(ValueError, match="auto"):
+        pnn.register_kernel("conv", "auto", forward=lambda c: c)
+    with pytest.raises(TypeError, match="forward"):
+        pnn.register_kernel("conv", "mine", forward=42)
+    with pytest.raises(TypeError, match="Support"):
+        pnn.register_kernel("conv", "mine", forward=lambda c: c, supports={"dtypes": ("float32",)})
+
+
+def test_contiguous_kernel_gets_a_copy_and_explain_reports_it():
+    seen = {}
+
+    def forward(call):
+        seen["contiguous"] = call.x.flags.c_contiguous
+        return (call.xp.asarray(call.x, copy=True),), None
+
+    pnn.register_kernel(
+        "rms_norm", "needs_c", forward=forward, supports=pnn.Support(contiguous=True), priority=100
+    )
+    try:
+        x = _x((6, 4)).T  # Fortran-ordered view
+        with pnn.use_backend("needs_c"):
+            report = pnn.explain(pnn.rms_norm, x)
+            assert report.copies == ["x"] and "x made C-contiguous" in str(report)
+            np.testing.assert_array_equal(pnn.rms_norm(x), x)
+        assert seen["contiguous"]
+        assert pnn.explain(pnn.rms_norm, np.ascontiguousarray(x)).copies == []
+    finally:
+        pnn.unregister_kernel("rms_norm", "needs_c")
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
+def test_numpy_native_kernel_gets_zero_copy_views_of_torch_tensors():
+    seen = {}
+
+    def forward(call):
+        seen["type"] = type(call.x)
+        seen["shares"] = call.x.ctypes.data
+        return (call.x + 1.0,), None
+
+    pnn.register_kernel(
+        "rms_norm", "np_kernel", forward=forward,
+        supports=pnn.Support(families=("numpy", "torch"), devices=("cpu",), native="numpy"), priority=100,
+    )
+    try:
+        x = torch.randn(3, 4, dtype=torch.float64)
+        y = pnn.rms_norm(x)
+        assert isinstance(y, torch.Tensor) and torch.equal(y, x + 1)
+        assert seen["type"] is np.ndarray and seen["shares"] == x.data_ptr()
+    finally:
+        pnn.unregister_kernel("rms_norm", "np_kernel")
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
+def test_torch_results_are_tensors_without_autograd_history():
+    x = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    y = pnn.batch_norm(x, w)
+    assert isinstance(y, torch.Tensor) and not y.requires_grad and y.grad_fn is None
+    y, pullback = pnn.vjp(pnn.batch_norm, x, w)
+    g = pullback(torch.ones_like(y))
+    assert isinstance(g.x, torch.Tensor) and not g.x.requires_grad
+    assert isinstance(g.weight, torch.Tensor) and g.bias is None
+
+
+@pytest.mark.skipif(not HAS_STRICT, reason="array_api_strict not installed")
+def test_array_api_strict_results_stay_array_api_strict():
+    import array_api_strict as xps
+
+    x = xps.asarray(_x((3, 5)))
+    y = pnn.layer_norm(x)
+    assert type(y) is type(x)
+    np.testing.assert_allclose(to_numpy(y), to_numpy(pnn.layer_norm(_x((3, 5)))), rtol=1e-12)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
+@pytest.mark.parametrize("which", ["weight", "bias"])
+def test_mixed_array_libraries_are_an_error(which):
+    x = np.ones((2, 3))
+    args = {"weight": np.ones(3), "bias": np.zeros(3)}
+    args[which] = torch.ones(3, dtype=torch.float64)
+    with pytest.raises(TypeError, match=f"different libraries.*{which} is a PyTorch tensor"):
+        pnn.layer_norm(x, **args)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
+def test_mixed_devices_are_an_error():
+    x = torch.ones(2, 3, dtype=torch.float64)
+    w = torch.ones(3, dtype=torch.float64, device="meta")
+    with pytest.raises(ValueError, match="different devices.*weight on meta"):
+        pnn.layer_norm(x, w)
