@@ -33,10 +33,9 @@ def _threading_layer() -> str:
         return "n/a (numba not installed)"
     from numba.core import config as numba_config
 
-    requested = os.environ.get("NUMBA_THREADING_LAYER")
-    layer = numba_config.THREADING_LAYER
-    origin = "from NUMBA_THREADING_LAYER" if requested else "numba's default"
-    return f"{layer} ({origin}; portable_nn leaves the user's setting alone), {numba_config.NUMBA_NUM_THREADS} threads"
+    from kernels_cpu import _runtime
+
+    return f"{_runtime.describe()}, {numba_config.NUMBA_NUM_THREADS} threads"
 
 
 def _cache_dir() -> str:

@@ -235,8 +235,11 @@ class Implementation:
     def backward_fn(self) -> Callable[..., Any] | None:
         if self.backward is None:
             return None
-        fn = _resolve(self.backward)
-        return fn if _accepts_out(fn) else _without_out(fn)
+        resolved = self.__dict__.get("_backward_resolved")
+        if resolved is None:
+            fn = _resolve(self.backward)
+            resolved = self.__dict__["_backward_resolved"] = fn if _accepts_out(fn) else _without_out(fn)
+        return resolved
 
 
 def _accepts_out(fn: Callable[..., Any]) -> bool:
@@ -560,7 +563,11 @@ class Bridge:
         self.family = family
 
     def inward(self, value: Any) -> Any:
-        if not self.active or value is None or not _arrays.is_array(value):
+        if not self.active or value is None:
+            return value
+        if isinstance(value, (tuple, list)):  # structured buffers (an RNN's params)
+            return type(value)(self.inward(v) for v in value)
+        if not _arrays.is_array(value):
             return value
         return _arrays.to_numpy_view(value)
 

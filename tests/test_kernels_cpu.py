@@ -1,0 +1,137 @@
+"""Numba CPU kernels: selection, zero-copy torch bridge, determinism, threads, threading layer.
+
+Numerical agreement with the reference and PyTorch runs in the per-op test files, through the
+shared ``cases(op)`` parametrisation, which forces every backend that declares support.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import portable_nn as pnn
+from pnn_testing import HAS_TORCH
+
+pytestmark = pytest.mark.skipif(not pnn.available_backends()["numba"], reason="numba not installed")
+
+NORMS = ("layer_norm", "batch_norm", "group_norm", "instance_norm")
+
+
+def _data(shape, dtype=np.float32, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "batch_norm", "group_norm", "instance_norm", "rms_norm"])
+def test_auto_picks_numba_for_numpy_float32(op):
+    x = _data((4, 6, 5))
+    args = (x, 2) if op == "group_norm" else (x,)
+    assert pnn.explain(op, *args).backend == "numba"
+
+
+def test_numba_declines_what_it_does_not_declare():
+    x16 = _data((4, 6), np.float16)
+    report = pnn.explain(pnn.layer_norm, x16)
+    assert report.backend == "reference" and report.fallback
+    assert any(b == "numba" and "float16" in why for b, why in report.passed_over)
+    with pnn.use_backend("numba"), pytest.raises(pnn.BackendUnavailableError, match="float16"):
+        pnn.layer_norm(x16)
+    x = _data((3, 4, 5, 6))
+    with pnn.use_backend("numba"), pytest.raises(pnn.BackendUnavailableError, match="channels_other"):
+        pnn.batch_norm(x, channel_axis=2)
+
+
+def test_strided_input_is_copied_and_reported():
+    x = _data((8, 6)).T
+    report = pnn.explain(pnn.layer_norm, x)
+    assert report.backend == "numba" and report.copies == ["x"]
+    with pnn.use_backend("reference"):
+        expected = pnn.layer_norm(x)
+    np.testing.assert_allclose(pnn.layer_norm(x), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
+def test_torch_cpu_tensors_run_the_numba_kernel_and_get_tensors_back():
+    import torch
+
+    x = torch.randn(4, 3, 8)
+    rm, rv = torch.zeros(3), torch.ones(3)
+    assert pnn.explain(pnn.batch_norm, x, running_mean=rm, running_var=rv).backend == "numba"
+    with pnn.use_backend("numba"):
+        y = pnn.batch_norm(x, running_mean=rm, running_var=rv)
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.float32
+    expected = torch.nn.functional.batch_norm(x, torch.zeros(3), torch.ones(3), training=True)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    assert rm.abs().sum() > 0  # the running statistics (tensors) were updated in place
+
+
+@pytest.mark.parametrize("op", NORMS)
+@pytest.mark.parametrize("size", [(6, 4, 10), (64, 32, 40)], ids=["serial", "parallel"])
+def test_bitwise_deterministic(op, size):
+    x, dy = _data(size), _data(size, seed=1)
+    c = size[-1] if op == "layer_norm" else size[1]
+    w, b = _data((c,), seed=2), _data((c,), seed=3)
+    results = []
+    for _ in range(2):
+        args = (x, 2, w, b) if op == "group_norm" else (x, w, b)
+        y, pullback = pnn.vjp(op, *args, activation="gelu")
+        results.append((y, *pullback(dy)))
+    for first, second in zip(*results):
+        assert np.array_equal(first, second)
+
+
+def test_concurrent_calls_from_threads_are_safe():
+    x = _data((64, 32, 40))
+    w, b = np.ones(32, np.float32), np.zeros(32, np.float32)
+    expected = pnn.batch_norm(x, w, b)
+    errors = []
+
+    def worker():
+        try:
+            for _ in range(5):
+                assert np.array_equal(pnn.batch_norm(x, w, b), expected)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_threading_layer_policy_in_a_fresh_process():
+    """The tbb layer is chosen (when installed) and no second OpenMP runtime is loaded for torch."""
+    code = """
+import numpy as np, portable_nn as pnn, numba
+x = np.ones((256, 256), np.float32)
+pnn.layer_norm(x)
+print(numba.threading_layer())
+maps = open('/proc/self/maps').read()
+print(sorted({line.split('/')[-1] for line in maps.splitlines() if 'gomp' in line or 'libomp' in line}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    layer, openmp = out.stdout.strip().splitlines()
+    from kernels_cpu import _runtime
+
+    expected = "tbb" if "tbb" in _runtime.describe() else "workqueue"
+    assert layer == expected
+    if layer == "tbb":
+        assert openmp == "[]", f"an OpenMP runtime was loaded: {openmp}"
+
+
+def test_user_threading_layer_is_respected():
+    code = "import numpy as np, portable_nn as pnn, numba; pnn.layer_norm(np.ones((256, 256))); " \
+           "print(numba.threading_layer())"
+    env = {"NUMBA_THREADING_LAYER": "workqueue", "PATH": "/usr/bin:/bin"}
+    import os
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, **env})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "workqueue"
