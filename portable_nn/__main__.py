@@ -1,4 +1,4 @@
-"""Command line: ``python -m portable_nn info | demo``.
+"""Command line: ``python -m portable_nn info | bench | demo``.
 
 ``info`` reports versions, which backends run on this machine (and why the
 others do not), Numba's threading layer, the kernel cache directory and the
@@ -82,10 +82,19 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, available backends, threading layer, cache, capabilities")
     sub.add_parser("demo", help="the main job: train on real data with portable_nn ops")
+    bench = sub.add_parser("bench", help="benchmark every backend against PyTorch (fwd, bwd, fwd+bwd)")
+    bench.add_argument("--ops", help="comma-separated ops or workload names (default: all)")
+    bench.add_argument("--quick", action="store_true", help="small shapes, few repeats (a smoke test)")
+    bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    bench.add_argument("--plot", metavar="PATH", help="also draw the ratios to PyTorch (needs matplotlib)")
     args = parser.parse_args(argv)
     if args.command == "info":
         print(info())
         return 0
+    if args.command == "bench":
+        from .bench import main as bench_main
+
+        return bench_main(args)
     return demo()
 
 

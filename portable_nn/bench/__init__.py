@@ -1,0 +1,299 @@
+"""Benchmark suite: ``python -m portable_nn bench [--ops ...] [--quick] [--json P] [--plot P]``.
+
+Each workload runs forward, backward and forward+backward for every backend
+that implements the op, and PyTorch when installed, *interleaved* in one
+process (round-robin, so drift hits everyone alike), reporting medians, the
+time ratio to PyTorch (> 1 means faster than PyTorch) and, for memory-bound
+ops, GB/s as a fraction of a copy bandwidth measured in the same run.
+
+The process is configured as ``../shared/PERFORMANCE.md`` describes: the suite
+re-executes itself with ``OPENBLAS_THREAD_TIMEOUT`` (no spinning BLAS threads
+stealing a core) and glibc ``MALLOC_*`` settings (no page faults on every
+large output), for every contender alike, and pins 2 threads for everyone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import dispatch
+from .workloads import WORKLOADS, Workload
+
+__all__ = ["main", "run_suite"]
+
+_PROCESS_ENV = {
+    "OPENBLAS_THREAD_TIMEOUT": "4",
+    "MALLOC_MMAP_MAX_": "0",
+    "MALLOC_TRIM_THRESHOLD_": "68719476736",
+}
+_MARK = "PORTABLE_NN_BENCH_CONFIGURED"
+
+
+@dataclass
+class Row:
+    """One measured (workload, contender, phase)."""
+
+    workload: str
+    contender: str
+    phase: str
+    median_ms: float
+    bytes_moved: int
+    ratio_vs_torch: float | None = None
+    gbps: float | None = None
+    fraction_of_copy: float | None = None
+
+
+@dataclass
+class Report:
+    environment: dict[str, Any]
+    copy_gbps: float
+    rows: list[Row] = field(default_factory=list)
+    first_call: dict[str, dict[str, float]] = field(default_factory=dict)
+    quick: bool = False
+
+
+def _threads(n: int) -> None:
+    try:
+        import torch
+
+        torch.set_num_threads(n)
+    except ImportError:
+        pass
+    try:
+        import numba
+
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    except ImportError:
+        pass
+
+
+def _environment() -> dict[str, Any]:
+    from ..__main__ import _version
+
+    env = {k: os.environ.get(k, "") for k in (*_PROCESS_ENV, "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
+                                               "NUMBA_THREADING_LAYER")}
+    return {
+        "python": platform.python_version(),
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "numpy": np.__version__,
+        "numba": _version("numba"),
+        "torch": _version("torch"),
+        "env": env,
+    }
+
+
+def _copy_bandwidth(quick: bool) -> float:
+    """GB/s (read + write counted) of a 64 MiB copy: the memory roofline of this run."""
+    n = (16 if quick else 64) * 2**20 // 4
+    src = np.ones(n, np.float32)
+    dst = np.empty_like(src)
+    try:
+        from kernels_cpu.copy import parallel_copy
+
+        copy: Callable[[], Any] = lambda: parallel_copy(src, dst)  # noqa: E731
+    except ImportError:
+        copy = lambda: np.copyto(dst, src)  # noqa: E731
+    copy()
+    times = []
+    for _ in range(5 if quick else 20):
+        t = time.perf_counter()
+        copy()
+        times.append(time.perf_counter() - t)
+    return 2 * src.nbytes / statistics.median(times) / 1e9
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    width = 30
+    filled = int(width * done / max(total, 1))
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label[:40]:40s}")
+    sys.stderr.flush()
+    if done == total:
+        sys.stderr.write("\n")
+
+
+#: Pause between two contenders' calls: lets the previous runtime's worker threads (torch's OpenMP,
+#: Numba's TBB) stop spin-waiting, so no contender is timed while another's threads hold the cores.
+SETTLE_S = 0.02
+
+
+def _time_interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median seconds of each function, run round-robin after one warm-up call each."""
+    for fn in fns.values():
+        fn()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            time.sleep(SETTLE_S)
+            t = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def _contenders(workload: Workload) -> list[str]:
+    backends = [
+        impl.backend
+        for impl in dispatch.implementations(workload.op)
+        if dispatch.backend_status(impl.backend)
+        and impl.supports.matches_arrays(_cpu_probe()) is None
+    ]
+    return backends
+
+
+def _cpu_probe() -> dispatch.Call:
+    import array_api_compat.numpy as xp
+
+    return dispatch.Call("probe", {}, {}, xp=xp, family="numpy", device="cpu", dtype="float32")
+
+
+def run_suite(ops: list[str] | None = None, quick: bool = False, progress: bool = True) -> Report:
+    """Measure every selected workload; returns the :class:`Report`."""
+    _threads(2)
+    report = Report(_environment(), _copy_bandwidth(quick), quick=quick)
+    selected = [w for w in WORKLOADS if ops is None or w.op in ops or w.name in ops]
+    repeats = 5 if quick else 15
+    total = len(selected)
+    for n, workload in enumerate(selected):
+        if progress:
+            _progress(n, total, workload.name)
+        cases = workload.build(quick)
+        fns: dict[tuple[str, str], Callable[[], Any]] = {}
+        for backend in _contenders(workload):
+            for phase, fn in cases.portable(backend).items():
+                fns[(backend, phase)] = fn
+        if cases.torch is not None:
+            for phase, fn in cases.torch().items():
+                fns[("torch", phase)] = fn
+        timed = _time_interleaved({f"{b}|{p}": fn for (b, p), fn in fns.items()}, repeats)
+        for key, seconds in timed.items():
+            contender, phase = key.split("|")
+            moved = cases.bytes_moved.get(phase, 0)
+            row = Row(workload.name, contender, phase, seconds * 1e3, moved)
+            torch_s = timed.get(f"torch|{phase}")
+            if torch_s is not None:
+                row.ratio_vs_torch = torch_s / seconds
+            if moved:
+                row.gbps = moved / seconds / 1e9
+                row.fraction_of_copy = row.gbps / report.copy_gbps
+            report.rows.append(row)
+    if progress:
+        _progress(total, total, "done")
+    report.first_call = _first_call_latency(selected, quick)
+    return report
+
+
+_FIRST_CALL = """
+import sys, time, numpy as np
+t0 = time.perf_counter()
+import portable_nn as pnn
+from portable_nn.bench.workloads import WORKLOADS
+w = next(w for w in WORKLOADS if w.name == sys.argv[1])
+cases = w.build(True)
+t1 = time.perf_counter()
+fns = cases.portable("numba")  # runs the first vjp
+fns["fwd+bwd"]()
+print(time.perf_counter() - t1)
+"""
+
+
+def _first_call_latency(selected: list[Workload], quick: bool) -> dict[str, dict[str, float]]:
+    """Seconds of the first fwd+bwd call in a new process: warm on-disk cache, and cold compile."""
+    if not dispatch.backend_status("numba"):
+        return {}
+    result = {}
+    ops_done = set()
+    for workload in selected:
+        if workload.op in ops_done or not any(
+            i.backend == "numba" for i in dispatch.implementations(workload.op)
+        ):
+            continue
+        ops_done.add(workload.op)
+        entry = {}
+        runs = [("warm_cache_s", {})]
+        if not quick:  # a cold compile takes tens of seconds per op
+            cold_dir = tempfile.mkdtemp(prefix="pnn-cold-cache-")
+            runs.insert(0, ("cold_compile_s", {"NUMBA_CACHE_DIR": cold_dir}))
+        for label, extra in runs:
+            out = subprocess.run(
+                [sys.executable, "-c", _FIRST_CALL, workload.name],
+                capture_output=True, text=True, env={**os.environ, **extra}, timeout=600,
+            )
+            if out.returncode == 0:
+                entry[label] = float(out.stdout.strip().splitlines()[-1])
+        result[workload.op] = entry
+    return result
+
+
+def format_report(report: Report) -> str:
+    """The report as a text table."""
+    env = report.environment
+    lines = [
+        "QUICK RUN: small shapes, few repeats (a smoke test, not a measurement)" if report.quick else
+        "standard shapes, medians of 15 interleaved repeats",
+        f"python {env['python']}, numpy {env['numpy']}, numba {env['numba']}, torch {env['torch']}, "
+        f"{env['cpus']} CPUs, 2 threads for everyone",
+        "env: " + ", ".join(f"{k}={v or '-'}" for k, v in env["env"].items()),
+        f"copy bandwidth (read+write): {report.copy_gbps:.1f} GB/s",
+        "",
+        f"{'workload':34s} {'contender':10s} {'phase':8s} {'median ms':>10s} {'vs torch':>9s} {'GB/s':>7s} "
+        f"{'% copy':>7s}",
+    ]
+    for r in report.rows:
+        ratio = f"{r.ratio_vs_torch:.2f}x" if r.ratio_vs_torch is not None else "-"
+        gbps = f"{r.gbps:.1f}" if r.gbps is not None else "-"
+        frac = f"{100 * r.fraction_of_copy:.0f}%" if r.fraction_of_copy is not None else "-"
+        lines.append(f"{r.workload:34s} {r.contender:10s} {r.phase:8s} {r.median_ms:10.3f} {ratio:>9s} "
+                     f"{gbps:>7s} {frac:>7s}")
+    if report.first_call:
+        lines += ["", "first fwd+bwd call in a new process (numba):"]
+        for op, entry in report.first_call.items():
+            lines.append(f"  {op:14s} " + ", ".join(f"{k}={v:.2f}" for k, v in entry.items()))
+    return "\n".join(lines)
+
+
+def _plot(report: Report, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report.rows if r.contender != "torch" and r.ratio_vs_torch and r.phase == "fwd+bwd"]
+    labels = [f"{r.workload}\n{r.contender}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.9), 4))
+    ax.bar(range(len(rows)), [r.ratio_vs_torch for r in rows])
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("speed vs PyTorch (x, higher is faster)")
+    ax.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(args: Any) -> int:
+    """Entry point of ``python -m portable_nn bench`` (re-executes itself once, configured)."""
+    if os.environ.get(_MARK) != "1":
+        env = {**os.environ, **_PROCESS_ENV, _MARK: "1"}
+        return subprocess.call([sys.executable, "-m", "portable_nn", *sys.argv[1:]], env=env)
+    ops = args.ops.split(",") if args.ops else None
+    report = run_suite(ops, quick=args.quick)
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"environment": report.environment, "copy_gbps": report.copy_gbps,
+                       "rows": [r.__dict__ for r in report.rows], "first_call": report.first_call}, fh, indent=2)
+    if args.plot:
+        _plot(report, args.plot)
+    return 0
