@@ -39,6 +39,8 @@ def _needs(prepared: Prepared, wrt: Any, op_name: str) -> frozenset[str]:
 
 def _cotangents(prepared: Prepared, outputs: tuple[Any, ...], cotangent: Any) -> tuple[Any, ...]:
     """One cotangent array per differentiable output, ``None`` replaced by zeros."""
+    if prepared.flatten_cotangent is not None:
+        cotangent = prepared.flatten_cotangent(cotangent)
     n = prepared.n_diff_outputs
     if n == 1:
         if isinstance(cotangent, (tuple, list)):
@@ -93,18 +95,45 @@ def _out_buffers(prepared: Prepared, needs: frozenset[str], out: Any) -> dict[st
             raise ValueError(f"out: unknown gradient field {name!r}; expected names from {prepared.grad_fields}")
         if buffer is None or name not in needs:
             continue
-        like = prepared.values[name]
-        if not _arrays.is_array(buffer) or _arrays.family(buffer) != _arrays.family(like):
-            raise TypeError(f"out[{name!r}] must be an array of the same library as {name}")
-        if tuple(buffer.shape) != tuple(like.shape) or buffer.dtype != like.dtype:
-            raise ValueError(
-                f"out[{name!r}] must have the shape {tuple(like.shape)} and dtype of {name}, got "
-                f"shape {tuple(buffer.shape)}"
-            )
-        if not _arrays.is_writeable(buffer):
-            raise ValueError(f"out[{name!r}] is not writable")
-        buffers[name] = buffer
+        buffers[name] = _check_buffer(buffer, prepared.values[name], f"out[{name!r}]", name)
     return buffers
+
+
+def _check_buffer(buffer: Any, like: Any, label: str, name: str) -> Any:
+    """``buffer`` checked against the argument ``like`` it receives the gradient of.
+
+    A structured argument (a list or tuple of arrays, such as an RNN's
+    ``params``) takes buffers of the same structure, ``None`` where none is given.
+    """
+    if isinstance(like, (list, tuple)):
+        if not isinstance(buffer, (list, tuple)) or len(buffer) != len(like):
+            raise TypeError(f"{label} must be a list or tuple of {len(like)} entries, structured like {name}")
+        return [_check_buffer(b, item, f"{label}[{i}]", name) for i, (b, item) in enumerate(zip(buffer, like))]
+    if buffer is None:
+        return None
+    if like is None:
+        raise ValueError(f"{label} must be None: the matching entry of {name} is None (it has no gradient)")
+    if not _arrays.is_array(buffer) or _arrays.family(buffer) != _arrays.family(like):
+        raise TypeError(f"{label} must be an array of the same library as {name}")
+    if tuple(buffer.shape) != tuple(like.shape) or buffer.dtype != like.dtype:
+        raise ValueError(
+            f"{label} must have the shape {tuple(like.shape)} and dtype of {name}, got "
+            f"shape {tuple(buffer.shape)}"
+        )
+    if not _arrays.is_writeable(buffer):
+        raise ValueError(f"{label} is not writable")
+    return buffer
+
+
+def _fill(buffer: Any, grad: Any) -> Any:
+    """The gradient in the caller's buffer(s): copied in unless the backward wrote there already."""
+    if isinstance(buffer, list):
+        return type(grad)(_fill(b, g) for b, g in zip(buffer, grad))
+    if buffer is None:
+        return grad
+    if grad is not buffer:
+        buffer[...] = grad
+    return buffer
 
 
 def vjp(op: Any, *args: Any, wrt: str | Iterable[str] | None = None, **kwargs: Any) -> tuple[Any, Callable[..., Any]]:
@@ -140,9 +169,7 @@ def vjp(op: Any, *args: Any, wrt: str | Iterable[str] | None = None, **kwargs: A
         buffers = _out_buffers(prepared, needs, out)
         grads = executed.backward(cts, needs, buffers) if needs else {}
         for name, buffer in buffers.items():
-            if grads.get(name) is not buffer:
-                buffer[...] = grads[name]
-                grads[name] = buffer
+            grads[name] = _fill(buffer, grads[name])
         return cls(**{name: grads.get(name) if name in needs else None for name in prepared.grad_fields})
 
     pullback.__doc__ = f"Pullback of {spec.name}: cotangent(s) of the output(s) -> {cls.__name__}."

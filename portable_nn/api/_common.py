@@ -43,6 +43,11 @@ class Prepared:
         values: those arguments as passed (``None`` where not given).
         n_diff_outputs: how many leading outputs take a cotangent.
         finish: turns the implementation's outputs into the caller's result.
+        flatten_cotangent: for ops whose result nests outputs (lstm's
+            ``(outputs, (h_n, c_n))``), turns the caller's cotangent, which
+            mirrors the result, into the flat tuple of ``n_diff_outputs``
+            entries that the implementation's outputs have; ``None`` when the
+            cotangent is already flat.
     """
 
     call: dispatch.Call
@@ -50,6 +55,7 @@ class Prepared:
     values: dict[str, Any]
     n_diff_outputs: int = 1
     finish: Callable[[tuple[Any, ...]], Any] = field(default=lambda outputs: outputs[0])
+    flatten_cotangent: Callable[[Any], Any] | None = None
 
     @property
     def given(self) -> frozenset[str]:

@@ -1,0 +1,562 @@
+"""Recurrent cells and sequences: signatures, validation, documentation.
+
+Weights follow PyTorch's layout whatever the data: ``w_ih`` is ``(G*H, I)``,
+``w_hh`` is ``(G*H, H)``, biases ``(G*H,)``, with the gates stacked along the
+rows — LSTM i, f, g, o (G = 4); GRU r, z, n (G = 3); plain RNN G = 1 — so
+weights copied from ``torch.nn.LSTM`` / ``GRU`` / ``RNN`` (``weight_ih_l0``,
+``weight_hh_l0_reverse`` …) or ``torch.lstm_cell`` work unchanged.
+
+Every op validates its arguments once (shapes, dtypes, one library and device,
+``lengths``) and hands the call to dispatch.  Implementations:
+``portable_nn/reference/rnn.py`` (every array library) and kernels where
+present; ``pnn.capabilities()`` lists which backend takes which case.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+from .. import _arrays
+from ._common import (
+    OpSpec,
+    Prepared,
+    check_array,
+    check_bool,
+    check_param_dtypes,
+    check_same_library,
+    check_shape,
+    floating_dtype,
+    make_call,
+    public_op,
+)
+from .activations import Activation, ActivationLike, parse_activation
+
+__all__ = ["gru", "gru_cell", "lstm", "lstm_cell", "rnn", "rnn_cell"]
+
+_WEIGHTS = ("w_ih", "w_hh", "b_ih", "b_hh")
+_INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+
+
+# --------------------------------------------------------------------------- shared validation
+
+
+def _rnn_activation(activation: Any, op: str) -> Activation:
+    act = parse_activation(activation)
+    if act.name not in ("tanh", "relu"):
+        raise ValueError(f"activation must be 'tanh' or 'relu' for {op}, got {activation!r}")
+    return act
+
+
+def _check_state_dtype(xp: Any, x_dtype: str, named: dict[str, Any]) -> None:
+    for name, value in named.items():
+        if value is None:
+            continue
+        dname = floating_dtype(xp, value, name)
+        if dname != x_dtype:
+            raise TypeError(f"{name} has dtype {dname} but x has {x_dtype}; states must have x's dtype")
+
+
+def _check_ndim2(value: Any, name: str, what: str) -> None:
+    if value is not None and value.ndim != 2:
+        raise ValueError(f"{name} must be 2-D {what}, got shape {tuple(value.shape)}")
+
+
+# --------------------------------------------------------------------------- cells
+
+
+def _prepare_cell(
+    op: str,
+    gates: int,
+    x: Any,
+    h: Any,
+    c: Any,
+    w_ih: Any,
+    w_hh: Any,
+    b_ih: Any,
+    b_hh: Any,
+    params: dict[str, Any],
+) -> Prepared:
+    has_cell = op == "lstm_cell"
+    states = {"h": h, "c": c} if has_cell else {"h": h}
+    named = {"x": x, **states, "w_ih": w_ih, "w_hh": w_hh, "b_ih": b_ih, "b_hh": b_hh}
+    for name, value in named.items():
+        check_array(value, name, optional=name in ("b_ih", "b_hh"))
+    family, device = check_same_library(named)
+    xp = _arrays.namespace(x)
+    dtype = floating_dtype(xp, x, "x")
+    _check_state_dtype(xp, dtype, states)
+    mixed = check_param_dtypes(xp, dtype, {"w_ih": w_ih, "w_hh": w_hh, "b_ih": b_ih, "b_hh": b_hh})
+
+    if x.ndim not in (1, 2):
+        raise ValueError(
+            f"x must be (N, input_size), or (input_size,) for one unbatched sample; got shape {tuple(x.shape)}"
+        )
+    unbatched = x.ndim == 1
+    for name, value in states.items():
+        if value.ndim != x.ndim:
+            expected = "(hidden_size,) like unbatched x" if unbatched else f"(N, hidden_size) with N={x.shape[0]}"
+            raise ValueError(f"{name} must have shape {expected}, got shape {tuple(value.shape)}")
+    hs = int(h.shape[-1])
+    if hs < 1:
+        raise ValueError(f"h must have hidden_size >= 1 in its last axis, got shape {tuple(h.shape)}")
+    if not unbatched and int(h.shape[0]) != int(x.shape[0]):
+        raise ValueError(
+            f"h must have shape (N, hidden_size) = ({x.shape[0]}, {hs}) (N from x), got {tuple(h.shape)}"
+        )
+    check_shape(c, "c", tuple(h.shape), "the shape of h")
+    features = int(x.shape[-1])
+    where = f"hidden_size={hs} from h, input_size={features} from x"
+    check_shape(w_ih, "w_ih", (gates * hs, features), f"({gates}*hidden_size, input_size); {where}")
+    check_shape(w_hh, "w_hh", (gates * hs, hs), f"({gates}*hidden_size, hidden_size); {where}")
+    check_shape(b_ih, "b_ih", (gates * hs,), f"({gates}*hidden_size,); {where}")
+    check_shape(b_hh, "b_hh", (gates * hs,), f"({gates}*hidden_size,); {where}")
+
+    params = {**params, "hidden_size": hs, "unbatched": unbatched, "mixed_precision": mixed}
+    call = make_call(op, named, params, family=family, device=device, dtype=dtype)
+    fields = tuple(named)
+    if has_cell:
+        return Prepared(call, fields, named, n_diff_outputs=2, finish=lambda outputs: tuple(outputs))
+    return Prepared(call, fields, named)
+
+
+_CELL_FIELDS = ("x", "h", "w_ih", "w_hh", "b_ih", "b_hh")
+_LSTM_CELL_FIELDS = ("x", "h", "c", "w_ih", "w_hh", "b_ih", "b_hh")
+
+
+def _prepare_rnn_cell(
+    x: Any, h: Any, w_ih: Any, w_hh: Any, b_ih: Any = None, b_hh: Any = None, *,
+    activation: ActivationLike = "tanh",
+) -> Prepared:
+    params = {"kind": "rnn", "activation": _rnn_activation(activation, "rnn_cell"), "reset_after": True}
+    return _prepare_cell("rnn_cell", 1, x, h, None, w_ih, w_hh, b_ih, b_hh, params)
+
+
+def _prepare_lstm_cell(
+    x: Any, h: Any, c: Any, w_ih: Any, w_hh: Any, b_ih: Any = None, b_hh: Any = None
+) -> Prepared:
+    params = {"kind": "lstm", "activation": None, "reset_after": True}
+    return _prepare_cell("lstm_cell", 4, x, h, c, w_ih, w_hh, b_ih, b_hh, params)
+
+
+def _prepare_gru_cell(
+    x: Any, h: Any, w_ih: Any, w_hh: Any, b_ih: Any = None, b_hh: Any = None, *, reset_after: bool = True
+) -> Prepared:
+    params = {"kind": "gru", "activation": None, "reset_after": check_bool(reset_after, "reset_after")}
+    return _prepare_cell("gru_cell", 3, x, h, None, w_ih, w_hh, b_ih, b_hh, params)
+
+
+_RNN_CELL = OpSpec("rnn_cell", _prepare_rnn_cell, _CELL_FIELDS)
+_LSTM_CELL = OpSpec("lstm_cell", _prepare_lstm_cell, _LSTM_CELL_FIELDS)
+_GRU_CELL = OpSpec("gru_cell", _prepare_gru_cell, _CELL_FIELDS)
+
+
+@public_op(_RNN_CELL)
+def rnn_cell(
+    x: Any,
+    h: Any,
+    w_ih: Any,
+    w_hh: Any,
+    b_ih: Any = None,
+    b_hh: Any = None,
+    *,
+    activation: ActivationLike = "tanh",
+) -> Any:
+    """One step of an Elman RNN: h' = act(x·w_ihᵀ + b_ih + h·w_hhᵀ + b_hh).
+
+    Like ``torch.rnn_tanh_cell`` / ``torch.rnn_relu_cell``.
+
+    Args:
+        x: ``(N, I)``, or ``(I,)`` for one unbatched sample.
+        h: ``(N, H)`` (``(H,)`` when unbatched), x's dtype.
+        w_ih: ``(H, I)``.  w_hh: ``(H, H)``.
+        b_ih, b_hh: ``(H,)`` or ``None``.
+        activation: ``"tanh"`` (default) or ``"relu"``.
+
+    Returns:
+        ``h'`` with h's shape and x's dtype.
+
+    float16/bfloat16 ``x`` may come with float32 weights (computed in float32).
+    ``vjp`` fields: ``(x, h, w_ih, w_hh, b_ih, b_hh)``.  Backends: reference; see
+    ``pnn.capabilities()`` for kernels.
+    """
+    return _RNN_CELL(x, h, w_ih, w_hh, b_ih, b_hh, activation=activation)
+
+
+@public_op(_LSTM_CELL)
+def lstm_cell(
+    x: Any, h: Any, c: Any, w_ih: Any, w_hh: Any, b_ih: Any = None, b_hh: Any = None
+) -> tuple[Any, Any]:
+    """One LSTM step, gate order i, f, g, o (like ``torch.lstm_cell``)::
+
+        [i f g o] = [σ σ tanh σ](x·w_ihᵀ + b_ih + h·w_hhᵀ + b_hh)
+        c' = f ⊙ c + i ⊙ g,    h' = o ⊙ tanh(c')
+
+    Args:
+        x: ``(N, I)``, or ``(I,)`` for one unbatched sample.
+        h, c: ``(N, H)`` (``(H,)`` when unbatched), x's dtype.
+        w_ih: ``(4H, I)``.  w_hh: ``(4H, H)``.
+        b_ih, b_hh: ``(4H,)`` or ``None``.
+
+    Returns:
+        ``(h', c')``, each with h's shape and x's dtype.
+
+    ``vjp`` fields: ``(x, h, c, w_ih, w_hh, b_ih, b_hh)``; the pullback takes
+    ``(dh', dc')``, either of which may be ``None``.  Backends: reference; see
+    ``pnn.capabilities()`` for kernels.
+    """
+    return _LSTM_CELL(x, h, c, w_ih, w_hh, b_ih, b_hh)
+
+
+@public_op(_GRU_CELL)
+def gru_cell(
+    x: Any,
+    h: Any,
+    w_ih: Any,
+    w_hh: Any,
+    b_ih: Any = None,
+    b_hh: Any = None,
+    *,
+    reset_after: bool = True,
+) -> Any:
+    """One GRU step, gate order r, z, n::
+
+        r, z = σ(x·w_ih,rzᵀ + b_ih,rz + h·w_hh,rzᵀ + b_hh,rz)
+        reset_after=True  (PyTorch/cuDNN): n = tanh(x·w_inᵀ + b_in + r ⊙ (h·w_hnᵀ + b_hn))
+        reset_after=False (original form): n = tanh(x·w_inᵀ + b_in + (r ⊙ h)·w_hnᵀ + b_hn)
+        h' = (1 − z) ⊙ n + z ⊙ h
+
+    ``reset_after=True`` is ``torch.gru_cell``.
+
+    Args:
+        x: ``(N, I)``, or ``(I,)`` for one unbatched sample.
+        h: ``(N, H)`` (``(H,)`` when unbatched), x's dtype.
+        w_ih: ``(3H, I)``.  w_hh: ``(3H, H)``.
+        b_ih, b_hh: ``(3H,)`` or ``None``.
+        reset_after: where the reset gate applies (see above).
+
+    Returns:
+        ``h'`` with h's shape and x's dtype.
+
+    ``vjp`` fields: ``(x, h, w_ih, w_hh, b_ih, b_hh)``.  Backends: reference;
+    see ``pnn.capabilities()`` for kernels.
+    """
+    return _GRU_CELL(x, h, w_ih, w_hh, b_ih, b_hh, reset_after=reset_after)
+
+
+# --------------------------------------------------------------------------- sequences
+
+
+def _param_label(k: int, j: int, dirs: int) -> str:
+    layer, d = divmod(k, dirs)
+    suffix = "_reverse" if d == 1 else ""
+    return f"params[{k}][{j}] ({_WEIGHTS[j]}_l{layer}{suffix})"
+
+
+def _param_name(k: int, j: int, dirs: int) -> str:
+    layer, d = divmod(k, dirs)
+    return f"{_WEIGHTS[j]}_l{layer}{'_reverse' if d == 1 else ''}"
+
+
+def _check_params(params: Any, gates: int, dirs: int, input_size: int) -> tuple[int, int, dict[str, Any]]:
+    """(num_layers, hidden_size, {label: array}) after checking every weight's shape."""
+    if not isinstance(params, (list, tuple)) or not params:
+        raise TypeError(
+            "params must be a non-empty list with one (w_ih, w_hh, b_ih, b_hh) tuple per layer and "
+            f"direction, got {type(params).__name__}"
+            + (" of length 0" if isinstance(params, (list, tuple)) else "")
+        )
+    if len(params) % dirs:
+        raise ValueError(
+            f"params has {len(params)} entries but bidirectional=True needs two per layer "
+            "(layer 0 forward, layer 0 reverse, layer 1 forward, ...)"
+        )
+    labelled: dict[str, Any] = {}
+    for k, entry in enumerate(params):
+        if not isinstance(entry, (list, tuple)) or len(entry) != 4:
+            raise TypeError(
+                f"params[{k}] must be a tuple (w_ih, w_hh, b_ih, b_hh) (biases may be None), got "
+                + (f"{len(entry)} entries" if isinstance(entry, (list, tuple)) else type(entry).__name__)
+            )
+        for j, value in enumerate(entry):
+            labelled[_param_label(k, j, dirs)] = check_array(value, _param_label(k, j, dirs), optional=j >= 2)
+    w_hh0 = params[0][1]
+    label = _param_label(0, 1, dirs)
+    if w_hh0.ndim != 2 or int(w_hh0.shape[1]) < 1 or int(w_hh0.shape[0]) != gates * int(w_hh0.shape[1]):
+        raise ValueError(
+            f"{label} must have shape ({gates}*hidden_size, hidden_size) with hidden_size >= 1, "
+            f"got {tuple(w_hh0.shape)}"
+        )
+    hs = int(w_hh0.shape[1])
+    layers = len(params) // dirs
+    for k, (w_ih, w_hh, b_ih, b_hh) in enumerate(params):
+        layer = k // dirs
+        features = input_size if layer == 0 else dirs * hs
+        src = "x's features" if layer == 0 else f"{dirs}*hidden_size, the previous layer's output"
+        check_shape(w_ih, _param_label(k, 0, dirs), (gates * hs, features),
+                    f"({gates}*hidden_size, input_size) with hidden_size={hs} and input_size={features} ({src})")
+        check_shape(w_hh, _param_label(k, 1, dirs), (gates * hs, hs),
+                    f"({gates}*hidden_size, hidden_size) with hidden_size={hs}")
+        for j, b in ((2, b_ih), (3, b_hh)):
+            check_shape(b, _param_label(k, j, dirs), (gates * hs,), f"({gates}*hidden_size,) with hidden_size={hs}")
+    return layers, hs, labelled
+
+
+def _check_lengths(lengths: Any, n: int, steps: int) -> tuple[int, ...] | None:
+    """``lengths`` as a tuple of ints in [1, T] (``None`` when absent or all equal to T)."""
+    if lengths is None:
+        return None
+    if _arrays.is_array(lengths):
+        xp = _arrays.namespace(lengths)
+        dname = _arrays.dtype_name(xp, lengths.dtype)
+        if dname not in _INT_DTYPES:
+            raise TypeError(f"lengths must be an integer array or a sequence of ints, got dtype {dname}")
+        if lengths.ndim != 1:
+            raise ValueError(f"lengths must be 1-D (one length per sequence), got shape {tuple(lengths.shape)}")
+        values = tuple(int(lengths[i]) for i in range(int(lengths.shape[0])))
+    elif isinstance(lengths, (list, tuple)):
+        for i, v in enumerate(lengths):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise TypeError(f"lengths[{i}] must be an int, got {type(v).__name__}")
+        values = tuple(int(v) for v in lengths)
+    else:
+        raise TypeError(f"lengths must be an integer array or a sequence of ints, got {type(lengths).__name__}")
+    if len(values) != n:
+        raise ValueError(f"lengths must have one entry per sequence (N={n}), got {len(values)}")
+    for i, v in enumerate(values):
+        if not 1 <= v <= steps:
+            raise ValueError(
+                f"lengths[{i}] = {v} is out of range: each length must be between 1 and T={steps} "
+                "(the padded sequence length)"
+            )
+    if all(v == steps for v in values):
+        return None
+    return values
+
+
+def _flatten_lstm_cotangent(cotangent: Any) -> tuple[Any, Any, Any]:
+    """``(d_outputs, (d_h_n, d_c_n))`` → the forward's flat ``(d_outputs, d_h_n, d_c_n)``."""
+    message = (
+        "lstm: pass the cotangent as (d_outputs, (d_h_n, d_c_n)), mirroring the result "
+        "(outputs, (h_n, c_n)); any entry, or the whole state pair, may be None"
+    )
+    if not isinstance(cotangent, (tuple, list)) or len(cotangent) != 2:
+        raise ValueError(message)
+    d_out, states = cotangent
+    if states is None:
+        return d_out, None, None
+    if not isinstance(states, (tuple, list)) or len(states) != 2:
+        raise ValueError(message)
+    return d_out, states[0], states[1]
+
+
+def _prepare_sequence(
+    op: str,
+    gates: int,
+    x: Any,
+    params: Any,
+    h0: Any,
+    c0: Any,
+    *,
+    batch_first: Any,
+    bidirectional: Any,
+    lengths: Any,
+    extra: dict[str, Any],
+) -> Prepared:
+    has_cell = op == "lstm"
+    check_array(x, "x")
+    check_array(h0, "h0", optional=True)
+    if has_cell:
+        check_array(c0, "c0", optional=True)
+    batch_first = check_bool(batch_first, "batch_first")
+    dirs = 2 if check_bool(bidirectional, "bidirectional") else 1
+    if x.ndim != 3:
+        layout = "(N, T, input_size)" if batch_first else "(T, N, input_size)"
+        raise ValueError(f"x must be 3-D {layout} (batch_first={batch_first}), got shape {tuple(x.shape)}")
+    steps, n = (int(x.shape[1]), int(x.shape[0])) if batch_first else (int(x.shape[0]), int(x.shape[1]))
+    layers, hs, labelled = _check_params(params, gates, dirs, int(x.shape[2]))
+    states = {"h0": h0, "c0": c0} if has_cell else {"h0": h0}
+    family, device = check_same_library({"x": x, **states, **labelled})
+    xp = _arrays.namespace(x)
+    dtype = floating_dtype(xp, x, "x")
+    _check_state_dtype(xp, dtype, states)
+    mixed = check_param_dtypes(xp, dtype, labelled)
+    for name, value in states.items():
+        check_shape(value, name, (layers * dirs, n, hs),
+                    f"(num_layers*num_directions, N, hidden_size) with num_layers={layers}, "
+                    f"num_directions={dirs}, N={n}, hidden_size={hs}")
+    norm_lengths = _check_lengths(lengths, n, steps)
+
+    arrays = {"x": x, **states}
+    names = []
+    for k, entry in enumerate(params):
+        row = tuple(_param_name(k, j, dirs) for j in range(4))
+        names.append(row)
+        arrays.update(zip(row, entry))
+    call_params = {
+        "kind": op,
+        "activation": None,
+        "reset_after": True,
+        **extra,
+        "num_layers": layers,
+        "num_directions": dirs,
+        "hidden_size": hs,
+        "batch_first": batch_first,
+        "lengths": norm_lengths,
+        "param_names": tuple(names),
+        "mixed_precision": mixed,
+    }
+    call = make_call(op, arrays, call_params, family=family, device=device, dtype=dtype)
+    fields = ("x", "params", *states)
+    values = {"x": x, "params": params, **states}
+    if has_cell:
+        return Prepared(
+            call, fields, values, n_diff_outputs=3,
+            finish=lambda outputs: (outputs[0], (outputs[1], outputs[2])),
+            flatten_cotangent=_flatten_lstm_cotangent,
+        )
+    return Prepared(call, fields, values, n_diff_outputs=2, finish=lambda outputs: tuple(outputs))
+
+
+def _prepare_rnn(
+    x: Any, params: Any, h0: Any = None, *, activation: ActivationLike = "tanh", batch_first: bool = False,
+    bidirectional: bool = False, lengths: Any = None,
+) -> Prepared:
+    extra = {"activation": _rnn_activation(activation, "rnn")}
+    return _prepare_sequence("rnn", 1, x, params, h0, None, batch_first=batch_first,
+                             bidirectional=bidirectional, lengths=lengths, extra=extra)
+
+
+def _prepare_lstm(
+    x: Any, params: Any, h0: Any = None, c0: Any = None, *, batch_first: bool = False,
+    bidirectional: bool = False, lengths: Any = None,
+) -> Prepared:
+    return _prepare_sequence("lstm", 4, x, params, h0, c0, batch_first=batch_first,
+                             bidirectional=bidirectional, lengths=lengths, extra={})
+
+
+def _prepare_gru(
+    x: Any, params: Any, h0: Any = None, *, reset_after: bool = True, batch_first: bool = False,
+    bidirectional: bool = False, lengths: Any = None,
+) -> Prepared:
+    extra = {"reset_after": check_bool(reset_after, "reset_after")}
+    return _prepare_sequence("gru", 3, x, params, h0, None, batch_first=batch_first,
+                             bidirectional=bidirectional, lengths=lengths, extra=extra)
+
+
+_RNN = OpSpec("rnn", _prepare_rnn, ("x", "params", "h0"))
+_LSTM = OpSpec("lstm", _prepare_lstm, ("x", "params", "h0", "c0"))
+_GRU = OpSpec("gru", _prepare_gru, ("x", "params", "h0"))
+
+_SEQUENCE_DOC = """
+    Args:
+        x: ``(T, N, I)``, or ``(N, T, I)`` with ``batch_first=True``.
+        params: a list with one ``(w_ih, w_hh, b_ih, b_hh)`` tuple per layer and
+            direction, in PyTorch's order (layer 0 forward, layer 0 reverse,
+            layer 1 forward, …): ``w_ih`` ``(G*H, I)`` for layer 0 and
+            ``(G*H, D*H)`` above it, ``w_hh`` ``(G*H, H)``, biases ``(G*H,)`` or
+            ``None``.  The number of layers is ``len(params) / D``.
+        h0{c0}: ``(L*D, N, H)`` initial states in x's dtype, or ``None`` for zeros.
+        batch_first: x and outputs are ``(N, T, ·)``; states stay ``(L*D, N, H)``.
+        bidirectional: D = 2, a reverse direction per layer whose outputs are
+            concatenated after the forward ones.
+        lengths: ``(N,)`` ints in [1, T] (a sequence or an integer array of any
+            library, e.g. a CPU tensor), the sequences' lengths as with
+            ``pack_padded_sequence(enforce_sorted=False)``: outputs past a
+            sequence's end are zero, its final state is the one at its last step,
+            and the reverse direction starts at its last step.
+"""
+
+
+@public_op(_RNN)
+def rnn(
+    x: Any,
+    params: Any,
+    h0: Any = None,
+    *,
+    activation: ActivationLike = "tanh",
+    batch_first: bool = False,
+    bidirectional: bool = False,
+    lengths: Any = None,
+) -> tuple[Any, Any]:
+    """A stacked (bidirectional) Elman RNN over whole sequences, like ``torch.nn.RNN``.
+
+    Each layer and direction runs h_t = act(x_t·w_ihᵀ + b_ih + h_{t−1}·w_hhᵀ + b_hh)
+    (G = 1, ``activation`` ``"tanh"`` or ``"relu"``); the input projection of
+    all time steps is one matrix product.
+    {args}
+    Returns:
+        ``(outputs, h_n)``: outputs ``(T, N, D*H)`` (``(N, T, D*H)`` batch
+        first) from the last layer, h_n ``(L*D, N, H)``, both in x's dtype.
+
+    ``vjp`` fields: ``(x, params, h0)`` — the ``params`` gradient is a list of
+    4-tuples like ``params`` (``None`` for ``None`` biases); the pullback takes
+    ``(d_outputs, d_h_n)``, either may be ``None``.  ``pullback(ct, out=...)``
+    takes ``params`` buffers as a list of 4-tuples.  Backends: reference; see
+    ``pnn.capabilities()`` for kernels.
+    """
+    return _RNN(x, params, h0, activation=activation, batch_first=batch_first,
+                bidirectional=bidirectional, lengths=lengths)
+
+
+@public_op(_LSTM)
+def lstm(
+    x: Any,
+    params: Any,
+    h0: Any = None,
+    c0: Any = None,
+    *,
+    batch_first: bool = False,
+    bidirectional: bool = False,
+    lengths: Any = None,
+) -> tuple[Any, tuple[Any, Any]]:
+    """A stacked (bidirectional) LSTM over whole sequences, like ``torch.nn.LSTM``.
+
+    Each layer and direction runs :func:`lstm_cell` over time (G = 4, gates
+    i, f, g, o); the input projection of all time steps is one matrix product.
+    {args}
+    Returns:
+        ``(outputs, (h_n, c_n))``: outputs ``(T, N, D*H)`` (``(N, T, D*H)``
+        batch first) from the last layer; h_n, c_n ``(L*D, N, H)``; x's dtype.
+
+    ``vjp`` fields: ``(x, params, h0, c0)`` — the ``params`` gradient is a list
+    of 4-tuples like ``params``; the pullback takes ``(d_outputs, (d_h_n,
+    d_c_n))`` mirroring the result, any entry (or the state pair) ``None``.
+    Backends: reference; see ``pnn.capabilities()`` for kernels.
+    """
+    return _LSTM(x, params, h0, c0, batch_first=batch_first, bidirectional=bidirectional, lengths=lengths)
+
+
+@public_op(_GRU)
+def gru(
+    x: Any,
+    params: Any,
+    h0: Any = None,
+    *,
+    reset_after: bool = True,
+    batch_first: bool = False,
+    bidirectional: bool = False,
+    lengths: Any = None,
+) -> tuple[Any, Any]:
+    """A stacked (bidirectional) GRU over whole sequences, like ``torch.nn.GRU``.
+
+    Each layer and direction runs :func:`gru_cell` over time (G = 3, gates
+    r, z, n; ``reset_after=True`` is PyTorch's form, ``False`` the original
+    one); the input projection of all time steps is one matrix product.
+    {args}
+    Returns:
+        ``(outputs, h_n)``: outputs ``(T, N, D*H)`` (``(N, T, D*H)`` batch
+        first) from the last layer, h_n ``(L*D, N, H)``, both in x's dtype.
+
+    ``vjp`` fields: ``(x, params, h0)`` — the ``params`` gradient is a list of
+    4-tuples like ``params``; the pullback takes ``(d_outputs, d_h_n)``.
+    Backends: reference; see ``pnn.capabilities()`` for kernels.
+    """
+    return _GRU(x, params, h0, reset_after=reset_after, batch_first=batch_first,
+                bidirectional=bidirectional, lengths=lengths)
+
+
+for _fn, _c0 in ((rnn, ""), (lstm, ", c0"), (gru, "")):
+    if _fn.__doc__:  # None under python -OO
+        _fn.__doc__ = _fn.__doc__.replace("{args}", _SEQUENCE_DOC.replace("{c0}", _c0))
+del _fn, _c0
