@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from .activations import ACTIVATIONS, Activation
+from .conv import conv
+from .dense import dense
 from .loss import cross_entropy, log_softmax
 from .norm import batch_norm, group_norm, instance_norm, layer_norm, merge_moments, moments, rms_norm
 from .pool import avg_pool, max_pool
@@ -13,7 +15,9 @@ __all__ = [
     "Activation",
     "avg_pool",
     "batch_norm",
+    "conv",
     "cross_entropy",
+    "dense",
     "group_norm",
     "gru",
     "gru_cell",

@@ -1,0 +1,288 @@
+"""Convolution, 1-D to 3-D, with bias and activation fused: signature, validation, documentation.
+
+The geometry is resolved once, here, with PyTorch's rules.  The number of
+spatial axes ``d`` is ``weight.ndim - 2``; ``weight`` is ``(O, C/groups, *k)``
+whatever the data layout; ``x`` is ``(N, C, *spatial)``, or ``(N, *spatial, C)``
+with ``channel_axis=-1``, or either without ``N`` (``x.ndim == weight.ndim - 1``).
+Per spatial axis, with input size ``L``, padding ``lo``/``hi`` and effective
+kernel size ``e = dilation·(k − 1) + 1``::
+
+    out = floor((L + lo + hi − e) / stride) + 1
+
+``padding="same"`` pads ``dilation·(k − 1)`` in total with the odd one on the
+high side (PyTorch's choice) and needs ``stride=1``; ``"valid"`` pads nothing.
+
+Implementations receive the resolved geometry (spatial axes of ``x``, per-axis
+kernel size, stride, dilation, low and high padding, output size), the groups,
+the parsed activation and whether ``x`` is batched.  Implementations:
+``portable_nn/reference/conv.py`` (every array library) and kernels where
+present (``pnn.capabilities()``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _arrays
+from ._common import (
+    OpSpec,
+    Prepared,
+    check_array,
+    check_int,
+    check_param_dtypes,
+    check_same_library,
+    check_shape,
+    floating_dtype,
+    make_call,
+    normalize_axis,
+    public_op,
+)
+from .activations import ActivationLike, parse_activation
+
+__all__ = ["conv"]
+
+_CONV_FIELDS = ("x", "weight", "bias")
+
+IntOrTuple = int | tuple[int, ...]
+Padding = int | str | tuple[int | tuple[int, int], ...]
+
+
+def _per_axis(value: Any, d: int, name: str, minimum: int) -> tuple[int, ...]:
+    """An int or a length-``d`` tuple/list of ints as a tuple of ``d`` ints >= ``minimum``."""
+    if isinstance(value, (tuple, list)):
+        if len(value) != d:
+            raise ValueError(
+                f"{name} must be an int or a tuple of {d} ints (one per spatial axis), got {tuple(value)!r}"
+            )
+        items = tuple(value)
+    else:
+        items = (value,) * d
+    return tuple(check_int(v, name, minimum=minimum) for v in items)
+
+
+def _padding_pairs(
+    padding: Any, d: int, kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``padding`` as per-axis (low, high) tuples.
+
+    Accepts an int (every side), ``"valid"`` (none), ``"same"`` (stride 1 only;
+    ``dilation·(k − 1)`` in total, the extra one on the high side as PyTorch
+    does), or a tuple of ``d`` entries, each an int (both sides) or a
+    ``(low, high)`` pair.
+    """
+    if isinstance(padding, str):
+        if padding == "valid":
+            return (0,) * d, (0,) * d
+        if padding == "same":
+            if any(s != 1 for s in stride):
+                raise ValueError(
+                    f"padding='same' needs stride=1 on every spatial axis (as in PyTorch), got stride={stride}; "
+                    "give the padding explicitly for a strided convolution"
+                )
+            total = [dl * (k - 1) for k, dl in zip(kernel, dilation)]
+            lo = tuple(t // 2 for t in total)
+            return lo, tuple(t - low for t, low in zip(total, lo))
+        raise ValueError(f"padding: unknown padding mode {padding!r}; expected 'same', 'valid', an int or a tuple")
+    if not isinstance(padding, (tuple, list)):
+        p = check_int(padding, "padding", minimum=0)
+        return (p,) * d, (p,) * d
+    if len(padding) != d:
+        hint = " (for 1-D (low, high) padding write ((low, high),))" if d == 1 and len(padding) == 2 else ""
+        raise ValueError(
+            f"padding must be an int, 'same', 'valid' or a tuple of {d} entries (one per spatial axis, each an "
+            f"int or a (low, high) pair), got {tuple(padding)!r}{hint}"
+        )
+    lo, hi = [], []
+    for entry in padding:
+        if isinstance(entry, (tuple, list)):
+            if len(entry) != 2:
+                raise ValueError(f"padding entries must be an int or a (low, high) pair, got {tuple(entry)!r}")
+            lo.append(check_int(entry[0], "padding", minimum=0))
+            hi.append(check_int(entry[1], "padding", minimum=0))
+        else:
+            p = check_int(entry, "padding", minimum=0)
+            lo.append(p)
+            hi.append(p)
+    return tuple(lo), tuple(hi)
+
+
+def _prepare_conv(
+    x: Any,
+    weight: Any,
+    bias: Any = None,
+    *,
+    stride: IntOrTuple = 1,
+    padding: Padding = 0,
+    dilation: IntOrTuple = 1,
+    groups: int = 1,
+    activation: ActivationLike = "identity",
+    channel_axis: int = 1,
+) -> Prepared:
+    named = {"x": x, "weight": weight, "bias": bias}
+    for name, value in named.items():
+        check_array(value, name, optional=name == "bias")
+    family, device = check_same_library(named)
+    xp = _arrays.namespace(x)
+    dtype = floating_dtype(xp, x, "x")
+    mixed = check_param_dtypes(xp, dtype, {"weight": weight, "bias": bias})
+
+    if weight.ndim not in (3, 4, 5):
+        raise ValueError(
+            "weight must be (out_channels, in_channels/groups, *kernel) with 1 to 3 kernel axes "
+            f"(3 to 5 dimensions), got shape {tuple(weight.shape)}"
+        )
+    d = weight.ndim - 2
+    if x.ndim not in (d + 1, d + 2):
+        raise ValueError(
+            f"x must have {d + 2} dimensions (N, C, *spatial) or {d + 1} (unbatched) for a {d}-D convolution "
+            f"(weight has shape {tuple(weight.shape)}), got shape {tuple(x.shape)}"
+        )
+    batched = x.ndim == d + 2
+    # channel_axis refers to the batched layout (N, C, ...) / (N, ..., C), as in pooling.
+    axis = normalize_axis(channel_axis, d + 2, "channel_axis")
+    if axis == 1:
+        layout = "channels_first"
+    elif axis == d + 1:
+        layout = "channels_last"
+    else:
+        raise ValueError(f"channel_axis must be 1 (channels first) or -1 (channels last), got {channel_axis!r}")
+    lead = 1 if batched else 0
+    x_channel_axis = lead if layout == "channels_first" else x.ndim - 1
+    first_spatial = lead + 1 if layout == "channels_first" else lead
+    spatial_axes = tuple(range(first_spatial, first_spatial + d))
+
+    groups = check_int(groups, "groups", minimum=1)
+    out_channels = int(weight.shape[0])
+    group_in = int(weight.shape[1])
+    kernel = tuple(int(s) for s in weight.shape[2:])
+    channels = int(x.shape[x_channel_axis])
+    if any(k < 1 for k in kernel):
+        raise ValueError(f"weight must have kernel sizes >= 1, got shape {tuple(weight.shape)}")
+    if channels % groups:
+        raise ValueError(f"x has {channels} channels, which groups={groups} does not divide")
+    if out_channels % groups:
+        raise ValueError(
+            f"weight has {out_channels} output channels (weight.shape[0]), which groups={groups} does not divide"
+        )
+    if channels != groups * group_in:
+        raise ValueError(
+            f"x has {channels} channels (axis {x_channel_axis} of shape {tuple(x.shape)}) but weight expects "
+            f"groups * weight.shape[1] = {groups} * {group_in} = {groups * group_in}"
+        )
+    check_shape(bias, "bias", (out_channels,), "one value per output channel, weight.shape[0]")
+
+    strides = _per_axis(stride, d, "stride", 1)
+    dil = _per_axis(dilation, d, "dilation", 1)
+    pad_lo, pad_hi = _padding_pairs(padding, d, kernel, strides, dil)
+    in_size = tuple(int(x.shape[a]) for a in spatial_axes)
+    out_size = []
+    for i in range(d):
+        eff = dil[i] * (kernel[i] - 1) + 1
+        padded = in_size[i] + pad_lo[i] + pad_hi[i]
+        out = (padded - eff) // strides[i] + 1 if padded >= eff else 0
+        if out < 1:
+            what = f"kernel size {kernel[i]}"
+            if dil[i] > 1:
+                what += f" with dilation {dil[i]} (effective size {eff})"
+            raise ValueError(
+                f"weight's {what} on spatial axis {i} is larger than x's padded size there "
+                f"({in_size[i]} + padding {pad_lo[i]} + {pad_hi[i]} = {padded}; x has shape {tuple(x.shape)}): "
+                "the convolution has no output; pad more or use a smaller kernel"
+            )
+        out_size.append(out)
+
+    params = {
+        "spatial_axes": spatial_axes,
+        "channel_axis": x_channel_axis,
+        "batched": batched,
+        "groups": groups,
+        "kernel": kernel,
+        "stride": strides,
+        "dilation": dil,
+        "pad_lo": pad_lo,
+        "pad_hi": pad_hi,
+        "in_size": in_size,
+        "out_size": tuple(out_size),
+        "activation": parse_activation(activation),
+        "mixed_precision": mixed,
+    }
+    call = make_call("conv", named, params, family=family, device=device, dtype=dtype, layout=layout)
+    return Prepared(call, _CONV_FIELDS, named)
+
+
+_CONV = OpSpec("conv", _prepare_conv, _CONV_FIELDS)
+
+
+@public_op(_CONV)
+def conv(
+    x: Any,
+    weight: Any,
+    bias: Any = None,
+    *,
+    stride: IntOrTuple = 1,
+    padding: Padding = 0,
+    dilation: IntOrTuple = 1,
+    groups: int = 1,
+    activation: ActivationLike = "identity",
+    channel_axis: int = 1,
+) -> Any:
+    """Convolution over 1 to 3 spatial axes with fused bias and activation
+    (PyTorch's ``conv1d/2d/3d`` followed by the activation).
+
+    With ``G = groups``, the output channel ``o`` in group ``g = o // (O/G)``::
+
+        y[n, o, p] = act(bias[o] + Σ_{c < C/G} Σ_t weight[o, c, t] · x_pad[n, g·C/G + c, p·stride + t·dilation])
+
+    where ``x_pad`` is ``x`` with zero padding, ``t`` runs over the kernel
+    offsets and ``p`` over the output positions (per spatial axis).
+
+    Args:
+        x: ``(N, C, *spatial)``, or ``(N, *spatial, C)`` with ``channel_axis=-1``,
+            or either without ``N`` (unbatched: ``x.ndim == weight.ndim - 1``).
+        weight: ``(O, C/groups, *kernel)`` with 1 to 3 kernel axes (the
+            dimensionality of the convolution), PyTorch's layout whatever the
+            data layout.
+        bias: ``(O,)`` or ``None``.
+        stride: int or per-axis tuple, >= 1.
+        padding: int (every side), a tuple with one entry per spatial axis
+            (an int for both sides, or a ``(low, high)`` pair), ``"valid"``
+            (none) or ``"same"`` (stride 1 only: output size = input size;
+            ``dilation·(k − 1)`` in total, the odd one on the high side, as in
+            PyTorch).  Zero padding.
+        dilation: int or per-axis tuple, >= 1: spacing of the kernel taps.
+        groups: the input and output channels split into ``groups`` independent
+            convolutions (``groups == C`` is a depthwise convolution).
+        activation: fused activation (see :mod:`portable_nn.api.activations`).
+        channel_axis: 1 (channels first) or -1 (channels last), counted in the
+            batched layout; the weight layout does not change.
+
+    Returns:
+        ``y`` with ``x``'s layout and dtype (batched iff ``x`` is), ``O``
+        channels and each spatial size ``floor((L + lo + hi − dilation·(k − 1) − 1) / stride) + 1``.
+        float16/bfloat16 ``x`` may come with float32 ``weight``/``bias``: the
+        products accumulate in float32.
+
+    ``vjp`` fields: ``(x, weight, bias)``; dx is the transposed convolution of
+    ``g = dy · act'``, dweight the correlation of ``g`` with ``x``, dbias ``Σ g``
+    (reduced with the activation derivative).  Besides ``x`` and ``weight``,
+    the backward keeps nothing for the identity, ``y`` alone when the
+    activation's derivative is a function of its output (relu, sigmoid, tanh,
+    leaky_relu with a positive slope; float32 values for half data), else the
+    pre-activation.
+    Backends: reference; see ``pnn.capabilities()``.
+
+    Raises:
+        ValueError: mismatched ranks, channels that do not match
+            ``groups * weight.shape[1]`` or that ``groups`` does not divide,
+            a bias that is not ``(O,)``, non-positive stride or dilation,
+            negative padding, padding that leaves no output, ``"same"`` with a
+            stride, an unknown padding mode or activation, an unsupported
+            ``channel_axis``.
+        TypeError: non-arrays, non-floating dtypes, dtype mixes other than half
+            data with float32 parameters, arrays of different libraries,
+            non-int geometry arguments.
+    """
+    return _CONV(
+        x, weight, bias, stride=stride, padding=padding, dilation=dilation, groups=groups,
+        activation=activation, channel_axis=channel_axis,
+    )

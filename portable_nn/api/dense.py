@@ -1,0 +1,96 @@
+"""Dense (fully connected) layer with bias and activation fused: signature, validation, documentation.
+
+``dense(x, weight, bias)`` is PyTorch's ``F.linear`` followed by the
+activation: ``weight`` is ``(out_features, in_features)`` and ``x`` has any
+leading shape.  Implementations: ``portable_nn/reference/dense.py`` (every
+array library) and kernels where present (``pnn.capabilities()``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _arrays
+from ._common import (
+    OpSpec,
+    Prepared,
+    check_array,
+    check_param_dtypes,
+    check_same_library,
+    check_shape,
+    floating_dtype,
+    make_call,
+    public_op,
+)
+from .activations import ActivationLike, parse_activation
+
+__all__ = ["dense"]
+
+_DENSE_FIELDS = ("x", "weight", "bias")
+
+
+def _prepare_dense(x: Any, weight: Any, bias: Any = None, *, activation: ActivationLike = "identity") -> Prepared:
+    named = {"x": x, "weight": weight, "bias": bias}
+    for name, value in named.items():
+        check_array(value, name, optional=name == "bias")
+    family, device = check_same_library(named)
+    xp = _arrays.namespace(x)
+    dtype = floating_dtype(xp, x, "x")
+    mixed = check_param_dtypes(xp, dtype, {"weight": weight, "bias": bias})
+    if weight.ndim != 2:
+        raise ValueError(f"weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
+    if x.ndim < 1:
+        raise ValueError("x must have at least 1 dimension (..., in_features), got a 0-D array")
+    out_features, in_features = (int(s) for s in weight.shape)
+    if int(x.shape[-1]) != in_features:
+        raise ValueError(
+            f"x has {int(x.shape[-1])} features in its last axis (shape {tuple(x.shape)}) but weight of shape "
+            f"{tuple(weight.shape)} expects in_features = weight.shape[1] = {in_features}"
+        )
+    check_shape(bias, "bias", (out_features,), "(out_features,) = (weight.shape[0],)")
+    params = {
+        "activation": parse_activation(activation),
+        "in_features": in_features,
+        "out_features": out_features,
+        "mixed_precision": mixed,
+    }
+    call = make_call("dense", named, params, family=family, device=device, dtype=dtype)
+    return Prepared(call, _DENSE_FIELDS, named)
+
+
+_DENSE = OpSpec("dense", _prepare_dense, _DENSE_FIELDS)
+
+
+@public_op(_DENSE)
+def dense(x: Any, weight: Any, bias: Any = None, *, activation: ActivationLike = "identity") -> Any:
+    """Fully connected layer: y = act(x · weightᵀ + bias) (PyTorch's ``F.linear`` + activation).
+
+    Args:
+        x: ``(..., in_features)``, any leading shape (including none: a 1-D
+            ``x`` is one sample, and leading axes of size 0).
+        weight: ``(out_features, in_features)``.
+        bias: ``(out_features,)`` or ``None``.
+        activation: fused activation (see :mod:`portable_nn.api.activations`).
+
+    Returns:
+        ``y`` of shape ``(..., out_features)`` with ``x``'s dtype.
+        float16/bfloat16 ``x`` may come with float32 ``weight``/``bias``: the
+        product accumulates in float32.
+
+    ``vjp`` fields: ``(x, weight, bias)``; with ``g = dy · act'`` over the rows
+    ``x`` flattened to ``(M, in_features)``: dx = g · weight, dweight = gᵀ · x,
+    dbias = Σ_rows g (reduced with the activation derivative).  Besides ``x``
+    and ``weight``, the backward keeps nothing for the identity, ``y`` alone
+    when the activation's derivative is a function of its output (relu,
+    sigmoid, tanh, leaky_relu with a positive slope; float32 values for half
+    data), else the pre-activation.
+    Backends: reference; see ``pnn.capabilities()``.
+
+    Raises:
+        ValueError: a weight that is not 2-D, ``x``'s last axis not
+            ``in_features``, a bias that is not ``(out_features,)``, an unknown
+            activation.
+        TypeError: non-arrays, non-floating dtypes, dtype mixes other than half
+            data with float32 parameters, arrays of different libraries.
+    """
+    return _DENSE(x, weight, bias, activation=activation)
