@@ -337,10 +337,12 @@ def norm_forward(call):
         mean = np.empty((nn, c))
         rstd = np.empty((nn, c))
     else:
-        rm = np.asarray(call.running_mean, np.float64)
-        rv = np.asarray(call.running_var, np.float64)
-        mean = np.ascontiguousarray(np.broadcast_to(rm, (nn, c)))
-        rstd = np.ascontiguousarray(np.broadcast_to(1.0 / np.sqrt(rv + call.eps), (nn, c)))
+        # Fresh writable float64 arrays: the kernel's signature must not depend on whether the
+        # caller's running statistics are read-only (a broadcast view or a frozen array is).
+        mean = np.empty((nn, c))
+        rstd = np.empty((nn, c))
+        mean[...] = np.asarray(call.running_mean, np.float64)
+        rstd[...] = 1.0 / np.sqrt(np.asarray(call.running_var, np.float64) + call.eps)
     var = np.empty((nn, c))
     act_ = call.activation
     _run(_forward_parallel, _forward_serial, x.size,
