@@ -24,6 +24,20 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _single_threaded_torch():
+    """PyTorch's thread pool costs milliseconds per tiny oracle call on small machines."""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _reset_backend_config(monkeypatch):
     """Every test starts from the default configuration and leaves it that way."""

@@ -22,15 +22,6 @@ from pnn_testing import (
 from portable_nn.api.loss import cross_entropy, log_softmax
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_threaded_torch():
-    """PyTorch's thread pool costs milliseconds per tiny oracle call on small machines."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _assert_close_nan(actual, expected, tol, what):
     """assert_close that also requires NaN in the same places."""
     a, e = to_numpy(actual), np.asarray(expected, dtype=np.float64)

@@ -22,16 +22,6 @@ from pnn_testing import (
 )
 from portable_nn.api.pool import avg_pool, max_pool
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_threaded_torch():
-    """PyTorch's thread pool costs milliseconds per tiny oracle call on small machines."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 TORCH_MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 TORCH_AVG = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 
