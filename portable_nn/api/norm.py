@@ -218,15 +218,27 @@ def merge_moments(a: tuple[Any, Any, Any], b: tuple[Any, Any, Any]) -> tuple[Any
     if arrays:
         check_same_library(arrays)
     n = n_a + n_b
-    if _arrays.is_array(n):
-        xp = _arrays.namespace(n)
-        safe_n = xp.where(n > 0, n, xp.ones_like(n))
+    # Ratios of counts are formed in the statistics' dtype: integer count arrays would otherwise
+    # divide with their own (non-standard) true division and promote or demote the statistics.
+    dtype_of = next((v for v in (mean_a, mean_b) if _arrays.is_array(v)), None)
+    fn_a, fn_b, fn = (_counts_as(c, dtype_of) for c in (n_a, n_b, n))
+    if _arrays.is_array(fn):
+        xp = _arrays.namespace(fn)
+        safe_n = xp.where(fn > 0, fn, xp.ones_like(fn))
     else:
-        safe_n = n if n > 0 else 1
+        safe_n = fn if fn > 0 else 1
     delta = mean_b - mean_a
-    mean = mean_a + delta * (n_b / safe_n)
-    m2 = m2_a + m2_b + delta * delta * (n_a * n_b / safe_n)
+    mean = mean_a + delta * (fn_b / safe_n)
+    m2 = m2_a + m2_b + delta * delta * (fn_a * fn_b / safe_n)
     return n, mean, m2
+
+
+def _counts_as(count: Any, like: Any) -> Any:
+    """A count array in the dtype of the statistics array ``like`` (Python numbers unchanged)."""
+    if like is None or not _arrays.is_array(count):
+        return count
+    xp = _arrays.namespace(count)
+    return xp.astype(count, like.dtype)
 
 
 # --------------------------------------------------------------------------- batch norm

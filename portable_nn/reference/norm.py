@@ -117,6 +117,9 @@ def moments_forward(call: Call) -> tuple[tuple[Any, Any], Any]:
     xc = xp.astype(x, compute_dtype(xp, x))
     shift, centred, var = shifted_moments(xp, xc, call.axes, call.correction)
     mean = shift + centred
+    if _count(tuple(xc.shape), call.axes) == 0:  # the mean of nothing is undefined, as in NumPy
+        mean = xp.full_like(mean, float("nan"))
+        var = xp.full_like(var, float("nan"))
     residuals = (xc, mean, call) if call.save else None
     if not call.keepdims:
         mean = _squeeze(xp, mean, call.axes)
