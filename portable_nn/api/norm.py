@@ -230,7 +230,19 @@ def merge_moments(a: tuple[Any, Any, Any], b: tuple[Any, Any, Any]) -> tuple[Any
     delta = mean_b - mean_a
     mean = mean_a + delta * (fn_b / safe_n)
     m2 = m2_a + m2_b + delta * delta * (fn_a * fn_b / safe_n)
+    # An empty part's statistics are undefined (NaN from ``moments``): take the other part's as is.
+    a_empty, b_empty = fn_a == 0, fn_b == 0
+    mean = _where(b_empty, mean_a, _where(a_empty, mean_b, mean))
+    m2 = _where(b_empty, m2_a, _where(a_empty, m2_b, m2))
     return n, mean, m2
+
+
+def _where(condition: Any, if_true: Any, if_false: Any) -> Any:
+    """``if_true`` where ``condition``; a plain ``if`` for Python booleans, ``xp.where`` for arrays."""
+    if not _arrays.is_array(condition):
+        return if_true if condition else if_false
+    xp = _arrays.namespace(condition)
+    return xp.where(condition, if_true, if_false)
 
 
 def _counts_as(count: Any, like: Any) -> Any:
