@@ -275,6 +275,33 @@ def channel_layout(channel_axis: Any, ndim: int) -> tuple[int, str]:
     return axis, "channels_other"
 
 
+def spatial_layout(x: Any, d: int, channel_axis: Any, what: str) -> tuple[bool, str, int, tuple[int, ...]]:
+    """Resolve the layout of a windowed op's input with ``d`` spatial axes.
+
+    ``x`` is ``(N, C, *spatial)`` / ``(N, *spatial, C)`` or the same without ``N``
+    (unbatched); ``channel_axis`` (1 or -1) refers to the batched layout, as in PyTorch.
+
+    Returns:
+        ``(batched, layout, channel axis of x, spatial axes of x)``.
+    """
+    if x.ndim not in (d + 1, d + 2):
+        raise ValueError(
+            f"x must have {d + 2} dimensions (N, C, *spatial) or {d + 1} (unbatched) for {what}, "
+            f"got shape {tuple(x.shape)}"
+        )
+    axis = normalize_axis(channel_axis, d + 2, "channel_axis")
+    if axis == 1:
+        layout = "channels_first"
+    elif axis == d + 1:
+        layout = "channels_last"
+    else:
+        raise ValueError(f"channel_axis must be 1 (channels first) or -1 (channels last), got {channel_axis!r}")
+    lead = x.ndim - d - 1  # 1 for batched input, 0 for unbatched
+    first_spatial = lead + 1 if layout == "channels_first" else lead
+    channel = lead if layout == "channels_first" else x.ndim - 1
+    return x.ndim == d + 2, layout, channel, tuple(range(first_spatial, first_spatial + d))
+
+
 def make_call(
     op: str,
     arrays: Mapping[str, Any],

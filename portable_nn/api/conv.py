@@ -34,8 +34,8 @@ from ._common import (
     check_shape,
     floating_dtype,
     make_call,
-    normalize_axis,
     public_op,
+    spatial_layout,
 )
 from .activations import ActivationLike, parse_activation
 
@@ -132,24 +132,9 @@ def _prepare_conv(
             f"(3 to 5 dimensions), got shape {tuple(weight.shape)}"
         )
     d = weight.ndim - 2
-    if x.ndim not in (d + 1, d + 2):
-        raise ValueError(
-            f"x must have {d + 2} dimensions (N, C, *spatial) or {d + 1} (unbatched) for a {d}-D convolution "
-            f"(weight has shape {tuple(weight.shape)}), got shape {tuple(x.shape)}"
-        )
-    batched = x.ndim == d + 2
-    # channel_axis refers to the batched layout (N, C, ...) / (N, ..., C), as in pooling.
-    axis = normalize_axis(channel_axis, d + 2, "channel_axis")
-    if axis == 1:
-        layout = "channels_first"
-    elif axis == d + 1:
-        layout = "channels_last"
-    else:
-        raise ValueError(f"channel_axis must be 1 (channels first) or -1 (channels last), got {channel_axis!r}")
-    lead = 1 if batched else 0
-    x_channel_axis = lead if layout == "channels_first" else x.ndim - 1
-    first_spatial = lead + 1 if layout == "channels_first" else lead
-    spatial_axes = tuple(range(first_spatial, first_spatial + d))
+    batched, layout, x_channel_axis, spatial_axes = spatial_layout(
+        x, d, channel_axis, f"a {d}-D convolution (weight has shape {tuple(weight.shape)})"
+    )
 
     groups = check_int(groups, "groups", minimum=1)
     out_channels = int(weight.shape[0])

@@ -34,8 +34,8 @@ from ._common import (
     check_same_library,
     floating_dtype,
     make_call,
-    normalize_axis,
     public_op,
+    spatial_layout,
 )
 
 __all__ = ["avg_pool", "max_pool"]
@@ -88,23 +88,7 @@ def _pool_plan(
     xp = _arrays.namespace(x)
     dtype = floating_dtype(xp, x, "x")
     d = _spatial_count(x, window)
-    if x.ndim not in (d + 1, d + 2):
-        raise ValueError(
-            f"x must have {d + 2} dimensions (N, C, *spatial) or {d + 1} (unbatched) for {d}-D pooling, "
-            f"got shape {tuple(x.shape)}"
-        )
-    batched = x.ndim == d + 2
-    # channel_axis refers to the batched layout (N, C, ...) / (N, ..., C), as in PyTorch.
-    axis = normalize_axis(channel_axis, d + 2, "channel_axis")
-    if axis == 1:
-        layout = "channels_first"
-    elif axis == d + 1:
-        layout = "channels_last"
-    else:
-        raise ValueError(f"channel_axis must be 1 (channels first) or -1 (channels last), got {channel_axis!r}")
-    lead = x.ndim - d - 1  # axes before the spatial ones in channels-last layout
-    first_spatial = x.ndim - d if layout == "channels_first" else lead
-    spatial_axes = tuple(range(first_spatial, first_spatial + d))
+    batched, layout, _, spatial_axes = spatial_layout(x, d, channel_axis, f"{d}-D pooling")
 
     win = _per_axis(window, d, "window", 1)
     strides = win if stride is None else _per_axis(stride, d, "stride", 1)

@@ -51,7 +51,6 @@ output (``1 − y²`` near saturation) would lose most of its digits.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import array_api_compat
@@ -59,6 +58,7 @@ import array_api_compat
 from .. import _arrays
 from ..dispatch import Call
 from . import activations
+from ._windows import window_offsets, window_slice
 from .norm import _store, compute_dtype
 
 __all__ = ["conv_backward", "conv_forward"]
@@ -94,15 +94,11 @@ class _Geometry:
 
     def offsets(self) -> list[tuple[int, ...]]:
         """Kernel offsets in row-major order (the order of ``weight``'s kernel axes)."""
-        return list(itertools.product(*(range(k) for k in self.kernel)))
+        return window_offsets(self.kernel)
 
     def window_slice(self, offset: tuple[int, ...]) -> tuple[slice, ...]:
-        """Index of the padded input that kernel offset ``offset`` meets at every output position."""
-        index = [slice(None)] * self.ndim
-        for a, t, s, dl, o in zip(self.axes, offset, self.stride, self.dilation, self.out_size):
-            start = t * dl
-            index[a] = slice(start, start + s * (o - 1) + 1, s)
-        return tuple(index)
+        """Index of the padded input that offset ``offset`` meets at every output position."""
+        return window_slice(self.ndim, self.axes, offset, self.stride, self.dilation, self.out_size)
 
     def interior(self) -> tuple[slice, ...]:
         """Index of the unpadded input inside the padded one."""

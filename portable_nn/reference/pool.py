@@ -29,13 +29,13 @@ class on the coarse grid, the classes are interleaved with ``stack`` and
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Any
 
 import array_api_compat
 
 from ..dispatch import Call
+from ._windows import window_offsets, window_slice
 from .norm import _store, compute_dtype
 
 __all__ = ["avg_pool_backward", "avg_pool_forward", "max_pool_backward", "max_pool_forward"]
@@ -62,14 +62,11 @@ class _Geometry:
 
     def offsets(self) -> list[tuple[int, ...]]:
         """Window offsets in row-major order (the first axis varies slowest)."""
-        return list(itertools.product(*(range(k) for k in self.window)))
+        return window_offsets(self.window)
 
     def window_slice(self, offset: tuple[int, ...]) -> tuple[slice, ...]:
-        index = [slice(None)] * self.ndim
-        for a, t, s, dl, o in zip(self.axes, offset, self.stride, self.dilation, self.out_size):
-            start = t * dl
-            index[a] = slice(start, start + s * (o - 1) + 1, s)
-        return tuple(index)
+        """Index of the padded input that offset ``offset`` meets at every output position."""
+        return window_slice(self.ndim, self.axes, offset, self.stride, self.dilation, self.out_size)
 
     def padded(self) -> bool:
         return any(self.lo) or any(self.hi)
