@@ -53,13 +53,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import array_api_compat
-
 from .. import _arrays
 from ..dispatch import Call
 from . import activations
+from ._common import compute_dtype, device, store
 from ._windows import window_offsets, window_slice
-from .norm import _store, compute_dtype
 
 __all__ = ["conv_backward", "conv_forward"]
 
@@ -129,9 +127,6 @@ class _Geometry:
         return k
 
 
-def _device(a: Any) -> Any:
-    return array_api_compat.device(a)
-
 
 def _writable(a: Any) -> bool:
     return _arrays.is_writeable(a)
@@ -140,7 +135,7 @@ def _writable(a: Any) -> bool:
 def _zero_block(xp: Any, a: Any, axis: int, n: int) -> Any:
     shape = list(a.shape)
     shape[axis] = n
-    return xp.zeros(tuple(shape), dtype=a.dtype, device=_device(a))
+    return xp.zeros(tuple(shape), dtype=a.dtype, device=device(a))
 
 
 def _pad_axis(xp: Any, a: Any, axis: int, lo: int, hi: int) -> Any:
@@ -156,7 +151,7 @@ def _pad(xp: Any, x: Any, geo: _Geometry) -> Any:
     (or, for immutable arrays, concatenated zero blocks axis by axis)."""
     if not geo.padded():
         return x
-    buffer = xp.zeros(geo.padded_shape(tuple(x.shape)), dtype=x.dtype, device=_device(x))
+    buffer = xp.zeros(geo.padded_shape(tuple(x.shape)), dtype=x.dtype, device=device(x))
     if _writable(buffer):
         buffer[geo.interior()] = x
         return buffer
@@ -287,7 +282,7 @@ def _scatter(xp: Any, dcols: list[tuple[tuple[int, ...], Any]], geo: _Geometry, 
     """
     padded = geo.padded_shape(shape)
     first = dcols[0][1]
-    buffer = xp.zeros(padded, dtype=first.dtype, device=_device(first))
+    buffer = xp.zeros(padded, dtype=first.dtype, device=device(first))
     if _writable(buffer):
         for offset, c in dcols:
             index = geo.window_slice(offset)
@@ -312,7 +307,7 @@ def conv_backward(residuals: Any, cotangents: tuple[Any], needs: frozenset[str],
     grads: dict[str, Any] = {}
     if "bias" in needs:
         axes = tuple(a for a in range(geo.ndim) if a != geo.channel_axis)
-        grads["bias"] = _store(out, "bias", xp.astype(xp.sum(g, axis=axes), bias.dtype, copy=False))
+        grads["bias"] = store(out, "bias", xp.astype(xp.sum(g, axis=axes), bias.dtype, copy=False))
     if "weight" not in needs and "x" not in needs:
         return grads
 
@@ -333,7 +328,7 @@ def conv_backward(residuals: Any, cotangents: tuple[Any], needs: frozenset[str],
             # Σ_n (N, G, O/G, P) @ (N, G, P, C/G·K) -> (G, O/G, C/G·K)
             dw = xp.sum(xp.matmul(g, xp.matrix_transpose(cols)), axis=0)
         dw = xp.reshape(dw, tuple(weight.shape))
-        grads["weight"] = _store(out, "weight", xp.astype(dw, weight.dtype, copy=False))
+        grads["weight"] = store(out, "weight", xp.astype(dw, weight.dtype, copy=False))
 
     if "x" in needs:
         w = _grouped_weight(xp, xp.astype(weight, cdt, copy=False), geo)
@@ -350,5 +345,5 @@ def conv_backward(residuals: Any, cotangents: tuple[Any], needs: frozenset[str],
             parts = [(t, dcols[:, :, j, ...]) for j, t in enumerate(geo.offsets())]
         dx = _scatter(xp, parts, geo, x_shape)
         dx = _unbatched(xp, xp.astype(dx, x.dtype, copy=False), call)
-        grads["x"] = _store(out, "x", dx)
+        grads["x"] = store(out, "x", dx)
     return grads

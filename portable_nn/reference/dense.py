@@ -26,7 +26,7 @@ from typing import Any
 
 from ..dispatch import Call
 from . import activations
-from .norm import _store, compute_dtype
+from ._common import compute_dtype, store
 
 __all__ = ["dense_backward", "dense_forward"]
 
@@ -78,12 +78,12 @@ def dense_backward(residuals: Any, cotangents: tuple[Any], needs: frozenset[str]
         g = g * activations.derivative(xp, kept, act)
     grads: dict[str, Any] = {}
     if "bias" in needs:
-        grads["bias"] = _store(out, "bias", xp.astype(xp.sum(g, axis=0), bias.dtype, copy=False))
+        grads["bias"] = store(out, "bias", xp.astype(xp.sum(g, axis=0), bias.dtype, copy=False))
     if "weight" in needs:
         xr = _rows(xp, xp.astype(x, cdt, copy=False))
         dw = xp.matmul(xp.matrix_transpose(g), xr)
-        grads["weight"] = _store(out, "weight", xp.astype(dw, weight.dtype, copy=False))
+        grads["weight"] = store(out, "weight", xp.astype(dw, weight.dtype, copy=False))
     if "x" in needs:
         dx = xp.matmul(g, xp.astype(weight, cdt, copy=False))
-        grads["x"] = _store(out, "x", xp.reshape(xp.astype(dx, x.dtype, copy=False), tuple(x.shape)))
+        grads["x"] = store(out, "x", xp.reshape(xp.astype(dx, x.dtype, copy=False), tuple(x.shape)))
     return grads

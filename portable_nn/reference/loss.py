@@ -25,16 +25,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import array_api_compat
-
 from ..dispatch import Call
-from .norm import _store, compute_dtype
+from ._common import compute_dtype, device, store
 
 __all__ = ["cross_entropy_backward", "cross_entropy_forward", "log_softmax_backward", "log_softmax_forward"]
 
-
-def _device(a: Any) -> Any:
-    return array_api_compat.device(a)
 
 
 def _log_softmax(xp: Any, z: Any, axis: int) -> Any:
@@ -74,7 +69,7 @@ def log_softmax_backward(residuals: Any, cotangents: tuple[Any], needs: frozense
     dx = dy - xp.exp(y) * xp.sum(dy, axis=call.axis, keepdims=True)
     if call.scalar:
         dx = xp.reshape(dx, ())
-    return {"x": _store(out, "x", xp.astype(dx, x_dtype))}
+    return {"x": store(out, "x", xp.astype(dx, x_dtype))}
 
 
 # --------------------------------------------------------------------------- cross_entropy
@@ -90,7 +85,7 @@ class _Targets:
     def __init__(self, xp: Any, call: Call, like: Any) -> None:
         self.xp, self.call = xp, call
         axis, classes = call.axis, call.classes
-        self.dtype, self.device = like.dtype, _device(like)
+        self.dtype, self.device = like.dtype, device(like)
         ndim = like.ndim
         self.bshape = tuple(classes if i == axis else 1 for i in range(ndim))
         self.w = None
@@ -162,7 +157,7 @@ def cross_entropy_forward(call: Call) -> tuple[tuple[Any], Any]:
         result = xp.sum(loss)
     elif call.probabilities:
         n = call.positions
-        result = xp.sum(loss) / n if n else xp.full((), math.nan, dtype=cdt, device=_device(p))
+        result = xp.sum(loss) / n if n else xp.full((), math.nan, dtype=cdt, device=device(p))
     else:
         empty = denominator == 0
         safe = xp.where(empty, 1.0, denominator)
@@ -191,10 +186,10 @@ def cross_entropy_backward(residuals: Any, cotangents: tuple[Any], needs: frozen
     if "logits" in needs:
         a = targets.weights()
         dz = g * (xp.exp(p) * targets.weight_sums(a) - a)
-        grads["logits"] = _store(out, "logits", xp.astype(dz, z_dtype))
+        grads["logits"] = store(out, "logits", xp.astype(dz, z_dtype))
     if "target" in needs:
         scale = -(1.0 - call.label_smoothing)
         dt = g * p if targets.w is None else g * targets.w * p
         dt = scale * dt
-        grads["target"] = _store(out, "target", xp.astype(dt, call.target.dtype))
+        grads["target"] = store(out, "target", xp.astype(dt, call.target.dtype))
     return grads

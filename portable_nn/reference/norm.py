@@ -32,8 +32,10 @@ from typing import Any
 
 from ..dispatch import Call
 from . import activations
+from ._common import compute_dtype, device, store
 
 __all__ = [
+    "compute_dtype",
     "moments_backward",
     "moments_forward",
     "norm_backward",
@@ -43,17 +45,6 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def compute_dtype(xp: Any, x: Any) -> Any:
-    """float32 for half-precision data, else the data's own dtype."""
-    # Compare against the namespace's own half dtypes; ``dtype == None`` is
-    # True for NumPy float64, so absent dtypes must be skipped, not compared.
-    for name in ("float16", "bfloat16"):
-        half = getattr(xp, name, None)
-        if half is not None and x.dtype == half:
-            return xp.float32
-    return x.dtype
 
 
 def _count(shape: tuple[int, ...], axes: tuple[int, ...]) -> int:
@@ -79,7 +70,7 @@ def shifted_moments(xp: Any, x: Any, axes: tuple[int, ...], correction: float = 
     n = _count(shape, axes)
     keep = _keep_shape(shape, axes)
     if n == 0:
-        zeros = xp.zeros(keep, dtype=x.dtype, device=_device(xp, x))
+        zeros = xp.zeros(keep, dtype=x.dtype, device=device(x))
         return zeros, zeros, zeros
     first = tuple(slice(0, 1) if i in axes else slice(None) for i in range(len(shape)))
     shift = x[first]
@@ -93,19 +84,6 @@ def shifted_moments(xp: Any, x: Any, axes: tuple[int, ...], correction: float = 
     var = (s2 - s1 * s1 / n) / denom if denom > 0 else xp.full_like(s2, float("nan"))
     var = xp.maximum(var, xp.zeros_like(var))
     return shift, centred_mean, var
-
-
-def _device(xp: Any, x: Any) -> Any:
-    return getattr(x, "device", None)
-
-
-def _store(out: dict[str, Any], name: str, value: Any) -> Any:
-    """Write ``value`` into a caller's buffer when one was given."""
-    buffer = out.get(name) if out else None
-    if buffer is None:
-        return value
-    buffer[...] = value
-    return buffer
 
 
 # --------------------------------------------------------------------------- moments
@@ -147,7 +125,7 @@ def moments_backward(residuals: Any, cotangents: tuple[Any, Any], needs: frozens
     dx = xp.zeros_like(xc) + dmean / max(n, 1)
     if denom > 0:
         dx = dx + dvar * (2.0 / denom) * (xc - mean)
-    return {"x": _store(out, "x", xp.astype(dx, call.x.dtype))}
+    return {"x": store(out, "x", xp.astype(dx, call.x.dtype))}
 
 
 # --------------------------------------------------------------------------- norms
@@ -249,10 +227,10 @@ def norm_backward(residuals: Any, cotangents: tuple[Any, ...], needs: frozenset[
     param_axes = tuple(i for i, s in enumerate(call.param_shape) if s == 1)
     if "weight" in needs:
         dw = xp.sum(g * xhat, axis=param_axes, keepdims=True)
-        grads["weight"] = _store(out, "weight", xp.astype(xp.reshape(dw, tuple(weight.shape)), weight.dtype))
+        grads["weight"] = store(out, "weight", xp.astype(xp.reshape(dw, tuple(weight.shape)), weight.dtype))
     if "bias" in needs:
         db = xp.sum(g, axis=param_axes, keepdims=True)
-        grads["bias"] = _store(out, "bias", xp.astype(xp.reshape(db, tuple(bias.shape)), bias.dtype))
+        grads["bias"] = store(out, "bias", xp.astype(xp.reshape(db, tuple(bias.shape)), bias.dtype))
     if "x" in needs:
         gx = g * w if w is not None else g
         if call.use_batch_stats:
@@ -264,5 +242,5 @@ def norm_backward(residuals: Any, cotangents: tuple[Any, ...], needs: frozenset[
             dx = rstd * inner
         else:
             dx = rstd * gx
-        grads["x"] = _store(out, "x", xp.reshape(xp.astype(dx, x.dtype), tuple(x.shape)))
+        grads["x"] = store(out, "x", xp.reshape(xp.astype(dx, x.dtype), tuple(x.shape)))
     return grads

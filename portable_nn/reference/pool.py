@@ -32,11 +32,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import array_api_compat
-
 from ..dispatch import Call
+from ._common import compute_dtype, device, store
 from ._windows import window_offsets, window_slice
-from .norm import _store, compute_dtype
 
 __all__ = ["avg_pool_backward", "avg_pool_forward", "max_pool_backward", "max_pool_forward"]
 
@@ -76,9 +74,6 @@ class _Geometry:
         return tuple(n if a == self.axes[i] else 1 for a in range(self.ndim))
 
 
-def _device(a: Any) -> Any:
-    return array_api_compat.device(a)
-
 
 def _pad(xp: Any, a: Any, axis: int, lo: int, hi: int, value: float) -> Any:
     """``a`` extended by ``lo`` and ``hi`` entries of ``value`` along ``axis``."""
@@ -88,7 +83,7 @@ def _pad(xp: Any, a: Any, axis: int, lo: int, hi: int, value: float) -> Any:
     def block(n: int) -> Any:
         shape = list(a.shape)
         shape[axis] = n
-        return xp.full(tuple(shape), value, dtype=a.dtype, device=_device(a))
+        return xp.full(tuple(shape), value, dtype=a.dtype, device=device(a))
 
     pieces = ([block(lo)] if lo else []) + [a] + ([block(hi)] if hi else [])
     return xp.concat(pieces, axis=axis)
@@ -161,7 +156,7 @@ def _scatter(xp: Any, contributions: Any, geo: _Geometry, like: Any) -> Any:
             got = per_class.get(prefix)
             if got is None:
                 if zeros is None:
-                    zeros = xp.zeros(tuple(base_shape), dtype=like.dtype, device=_device(like))
+                    zeros = xp.zeros(tuple(base_shape), dtype=like.dtype, device=device(like))
                 got = zeros
             return got
         s = geo.stride[i]
@@ -188,20 +183,20 @@ def max_pool_forward(call: Call) -> tuple[tuple[Any], Any]:
     """Running maximum over the window offsets; keeps the winning offset per output."""
     xp, x = call.xp, call.x
     geo = _Geometry(call, x.ndim)
-    device = _device(x)
+    dev = device(x)
     offsets = geo.offsets()
     if geo.padded():
         # Start from −∞ at each window's first real position (PyTorch's choice when
         # every real value is −∞); padded positions hold −∞ and can never win.
         xpad = _pad_all(xp, x, geo, -math.inf)
         out_shape = tuple(xpad[geo.window_slice(offsets[0])].shape)
-        best = xp.full(out_shape, -math.inf, dtype=x.dtype, device=device)
-        idx = _first_valid(xp, geo, device)
+        best = xp.full(out_shape, -math.inf, dtype=x.dtype, device=dev)
+        idx = _first_valid(xp, geo, dev)
         rest = list(enumerate(offsets))
     else:
         xpad = x
         best = xpad[geo.window_slice(offsets[0])]
-        idx = xp.zeros(tuple(best.shape), dtype=xp.int32, device=device)
+        idx = xp.zeros(tuple(best.shape), dtype=xp.int32, device=dev)
         rest = list(enumerate(offsets))[1:]
         if not rest:
             best = xp.asarray(best, copy=True)  # a 1-element window: never hand back a view of x
@@ -209,7 +204,7 @@ def max_pool_forward(call: Call) -> tuple[tuple[Any], Any]:
         v = xpad[geo.window_slice(offset)]
         take = xp.logical_or(v > best, xp.isnan(v))
         best = xp.where(take, v, best)
-        idx = xp.where(take, xp.asarray(t, dtype=xp.int32, device=device), idx)
+        idx = xp.where(take, xp.asarray(t, dtype=xp.int32, device=dev), idx)
     residuals = (idx, tuple(x.shape), x.dtype, call.replace(arrays={})) if call.save else None
     return (best,), residuals
 
@@ -229,7 +224,7 @@ def max_pool_backward(residuals: Any, cotangents: tuple[Any], needs: frozenset[s
             yield offset, xp.where(idx == t, dy, zero)
 
     dx = _scatter(xp, contributions(), geo, dy)
-    return {"x": _store(out, "x", dx)}
+    return {"x": store(out, "x", dx)}
 
 
 # --------------------------------------------------------------------------- avg_pool
@@ -256,7 +251,7 @@ def avg_pool_forward(call: Call) -> tuple[tuple[Any], Any]:
     for offset in geo.offsets():
         v = xpad[geo.window_slice(offset)]
         total = v if total is None else total + v
-    y = xp.astype(total / _divisor(xp, geo, call.divisors, cdt, _device(x)), x.dtype)
+    y = xp.astype(total / _divisor(xp, geo, call.divisors, cdt, device(x)), x.dtype)
     residuals = (tuple(x.shape), x.dtype, call.replace(arrays={})) if call.save else None
     return (y,), residuals
 
@@ -270,6 +265,6 @@ def avg_pool_backward(residuals: Any, cotangents: tuple[Any], needs: frozenset[s
     geo = _Geometry(call, len(x_shape))
     dy = cotangents[0]
     cdt = compute_dtype(xp, dy)
-    g = xp.astype(dy, cdt) / _divisor(xp, geo, call.divisors, cdt, _device(dy))
+    g = xp.astype(dy, cdt) / _divisor(xp, geo, call.divisors, cdt, device(dy))
     dx = _scatter(xp, ((offset, g) for offset in geo.offsets()), geo, g)
-    return {"x": _store(out, "x", xp.astype(dx, x_dtype))}
+    return {"x": store(out, "x", xp.astype(dx, x_dtype))}

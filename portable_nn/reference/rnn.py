@@ -49,7 +49,7 @@ from typing import Any
 from .. import _arrays
 from ..dispatch import Call
 from . import activations
-from .norm import compute_dtype
+from ._common import compute_dtype
 
 __all__ = [
     "gru_backward",
