@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import array_api_compat as aac
+import numpy as np
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 HALF_DTYPES = ("float16", "bfloat16")
@@ -24,20 +25,17 @@ _FAMILY_CHECKS = (
 
 def is_array(value: Any) -> bool:
     """Whether ``value`` is an array of a library portable_nn can work with."""
-    if isinstance(value, (bool, int, float, complex, str, bytes, list, tuple, dict)):
+    if isinstance(value, np.ndarray):  # the common case, checked first: calls are hot
+        return True
+    if isinstance(value, (bool, int, float, complex, str, bytes, list, tuple, dict, np.generic)):
         return False
-    try:
-        import numpy as np
-
-        if isinstance(value, np.generic):
-            return False
-    except ImportError:  # pragma: no cover - numpy is a core dependency
-        pass
     return aac.is_array_api_obj(value)
 
 
 def family(x: Any) -> str:
     """The array library of ``x``: numpy, torch, cupy, jax, dask, array_api_strict or other."""
+    if isinstance(x, np.ndarray):
+        return "numpy"
     for name, check in _FAMILY_CHECKS:
         if check(x):
             return name
@@ -96,6 +94,10 @@ def dtype_name(xp: Any, dtype: Any) -> str:
 
 def namespace(x: Any) -> Any:
     """The array-API namespace for ``x`` (array-api-compat's wrapper where needed)."""
+    if isinstance(x, np.ndarray):
+        import array_api_compat.numpy as np_xp
+
+        return np_xp
     return aac.array_namespace(x)
 
 
@@ -134,8 +136,6 @@ def ascontiguous(x: Any) -> Any:
     """A C-contiguous version of ``x`` (a copy only when needed)."""
     fam = family(x)
     if fam == "numpy":
-        import numpy as np
-
         return np.ascontiguousarray(x)
     if fam == "torch":
         return x.contiguous()
