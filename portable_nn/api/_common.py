@@ -246,6 +246,19 @@ def check_int(value: Any, name: str, *, minimum: int | None = None) -> int:
     return value
 
 
+def per_axis(value: Any, d: int, name: str, minimum: int) -> tuple[int, ...]:
+    """An int or a length-``d`` tuple/list of ints as a tuple of ``d`` ints >= ``minimum``."""
+    if isinstance(value, (tuple, list)):
+        if len(value) != d:
+            raise ValueError(
+                f"{name} must be an int or a tuple of {d} ints (one per spatial axis), got {tuple(value)!r}"
+            )
+        items = tuple(value)
+    else:
+        items = (value,) * d
+    return tuple(check_int(v, name, minimum=minimum) for v in items)
+
+
 def normalize_axis(axis: Any, ndim: int, name: str = "axis") -> int:
     """``axis`` as a non-negative int; ``ValueError`` when out of range."""
     axis = check_int(axis, name)

@@ -34,6 +34,7 @@ from ._common import (
     check_shape,
     floating_dtype,
     make_call,
+    per_axis,
     public_op,
     spatial_layout,
 )
@@ -45,19 +46,6 @@ _CONV_FIELDS = ("x", "weight", "bias")
 
 IntOrTuple = int | tuple[int, ...]
 Padding = int | str | tuple[int | tuple[int, int], ...]
-
-
-def _per_axis(value: Any, d: int, name: str, minimum: int) -> tuple[int, ...]:
-    """An int or a length-``d`` tuple/list of ints as a tuple of ``d`` ints >= ``minimum``."""
-    if isinstance(value, (tuple, list)):
-        if len(value) != d:
-            raise ValueError(
-                f"{name} must be an int or a tuple of {d} ints (one per spatial axis), got {tuple(value)!r}"
-            )
-        items = tuple(value)
-    else:
-        items = (value,) * d
-    return tuple(check_int(v, name, minimum=minimum) for v in items)
 
 
 def _padding_pairs(
@@ -156,8 +144,8 @@ def _prepare_conv(
         )
     check_shape(bias, "bias", (out_channels,), "one value per output channel, weight.shape[0]")
 
-    strides = _per_axis(stride, d, "stride", 1)
-    dil = _per_axis(dilation, d, "dilation", 1)
+    strides = per_axis(stride, d, "stride", 1)
+    dil = per_axis(dilation, d, "dilation", 1)
     pad_lo, pad_hi = _padding_pairs(padding, d, kernel, strides, dil)
     in_size = tuple(int(x.shape[a]) for a in spatial_axes)
     out_size = []

@@ -30,10 +30,10 @@ from ._common import (
     Prepared,
     check_array,
     check_bool,
-    check_int,
     check_same_library,
     floating_dtype,
     make_call,
+    per_axis,
     public_op,
     spatial_layout,
 )
@@ -43,19 +43,6 @@ __all__ = ["avg_pool", "max_pool"]
 _POOL_FIELDS = ("x",)
 
 IntOrTuple = int | tuple[int, ...]
-
-
-def _per_axis(value: Any, d: int, name: str, minimum: int) -> tuple[int, ...]:
-    """An int or a length-``d`` tuple/list of ints as a tuple of ``d`` ints >= ``minimum``."""
-    if isinstance(value, (tuple, list)):
-        if len(value) != d:
-            raise ValueError(
-                f"{name} must be an int or a tuple of {d} ints (one per spatial axis), got {tuple(value)!r}"
-            )
-        items = tuple(value)
-    else:
-        items = (value,) * d
-    return tuple(check_int(v, name, minimum=minimum) for v in items)
 
 
 def _spatial_count(x: Any, window: Any) -> int:
@@ -90,10 +77,10 @@ def _pool_plan(
     d = _spatial_count(x, window)
     batched, layout, _, spatial_axes = spatial_layout(x, d, channel_axis, f"{d}-D pooling")
 
-    win = _per_axis(window, d, "window", 1)
-    strides = win if stride is None else _per_axis(stride, d, "stride", 1)
-    pads = _per_axis(padding, d, "padding", 0)
-    dil = _per_axis(dilation, d, "dilation", 1)
+    win = per_axis(window, d, "window", 1)
+    strides = win if stride is None else per_axis(stride, d, "stride", 1)
+    pads = per_axis(padding, d, "padding", 0)
+    dil = per_axis(dilation, d, "dilation", 1)
     ceil_mode = check_bool(ceil_mode, "ceil_mode")
 
     in_size = tuple(int(x.shape[a]) for a in spatial_axes)
