@@ -23,6 +23,7 @@ from pnn_testing import (
 )
 from portable_nn.api.conv import conv
 from portable_nn.reference import conv as ref_conv
+from torch_oracle import TORCH_ACT, activation_arg, from_layout, to_layout
 
 # PyTorch notes that "same" with an even kernel pads a copy of the input; that is expected here.
 pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same':UserWarning")
@@ -39,25 +40,6 @@ def _single_threaded_torch():
 
 TORCH_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
-TORCH_ACT = {
-    "identity": lambda z: z,
-    "relu": F.relu,
-    "sigmoid": torch.sigmoid,
-    "tanh": torch.tanh,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
-    "silu": F.silu,
-    "leaky_relu": F.leaky_relu,
-    "leaky_relu(0.2)": lambda z: F.leaky_relu(z, 0.2),
-    "leaky_relu(-0.3)": lambda z: F.leaky_relu(z, -0.3),
-}
-
-
-def _activation(label: str) -> Any:
-    """The ``activation=`` argument for a label of :data:`TORCH_ACT`."""
-    if label.startswith("leaky_relu("):
-        return ("leaky_relu", float(label[len("leaky_relu(") : -1]))
-    return label
 
 
 #: Geometries: odd sizes, batch 1, stride > 1 with dilation > 1, groups > 1, depthwise
@@ -88,17 +70,6 @@ GEOMS = {
 # --------------------------------------------------------------------------- helpers
 
 
-def _to_layout(a: np.ndarray, layout: str, batched: bool) -> np.ndarray:
-    """A batched channels-first array in the test's layout."""
-    if layout == "last":
-        a = np.moveaxis(a, 1, -1)
-    return a if batched else a[0]
-
-
-def _from_layout(a: np.ndarray, layout: str, batched: bool) -> np.ndarray:
-    if not batched:
-        a = a[None]
-    return np.moveaxis(a, -1, 1) if layout == "last" else a
 
 
 def _torch_padding(padding: Any, d: int) -> tuple[Any, tuple[int, ...]]:
@@ -144,14 +115,14 @@ def _data(geom, rng, bias=True):
 def _conv_kwargs(geom, layout="first", act="identity"):
     return dict(
         stride=geom["stride"], padding=geom["padding"], dilation=geom["dilation"], groups=geom["groups"],
-        activation=_activation(act), channel_axis=-1 if layout == "last" else 1,
+        activation=activation_arg(act), channel_axis=-1 if layout == "last" else 1,
     )
 
 
 def _run_case(case, geom, layout, batched, act, bias, seed):
     rng = np.random.default_rng(seed)
     x64, w64, b64 = _data(geom, rng, bias)
-    x = case.asarray(_to_layout(x64, layout, batched))
+    x = case.asarray(to_layout(x64, layout, batched))
     w, b = case.param(w64), case.param(b64)
     before = snapshot([x, w, b])
     with case.use():
@@ -165,12 +136,12 @@ def _run_case(case, geom, layout, batched, act, bias, seed):
     assert (grads.bias is None) == (b is None)
     # The oracle sees exactly the (rounded) values our call saw.
     y_ref, (dx_ref, dw_ref, db_ref) = torch_conv(
-        _from_layout(to_numpy(x), layout, batched), to_numpy(w), to_numpy(b),
-        _from_layout(to_numpy(dy), layout, batched), geom, act,
+        from_layout(to_numpy(x), layout, batched), to_numpy(w), to_numpy(b),
+        from_layout(to_numpy(dy), layout, batched), geom, act,
     )
     tol = case.tol
-    assert_close(_from_layout(to_numpy(y), layout, batched), y_ref, tol, "conv output")
-    assert_close(_from_layout(to_numpy(grads.x), layout, batched), dx_ref, tol, "conv dx")
+    assert_close(from_layout(to_numpy(y), layout, batched), y_ref, tol, "conv output")
+    assert_close(from_layout(to_numpy(grads.x), layout, batched), dx_ref, tol, "conv dx")
     assert_close(grads.weight, dw_ref, tol, "conv dweight")
     if b is not None:
         assert grads.bias.dtype == b.dtype
@@ -216,13 +187,13 @@ def test_zero_batch(case, layout):
     rng = np.random.default_rng(0)
     _, w64, b64 = _data(geom, rng)
     x64 = np.zeros((0, geom["c"], *geom["spatial"]))
-    x = case.asarray(_to_layout(x64, layout, True))
+    x = case.asarray(to_layout(x64, layout, True))
     w, b = case.asarray(w64), case.asarray(b64)
     with case.use():
         y, pullback = pnn.vjp(conv, x, w, b, **_conv_kwargs(geom, layout, "gelu"))
         grads = pullback(case.asarray(np.zeros(tuple(y.shape))))
     y_ref, _ = torch_conv(x64, w64, b64, None, geom, "gelu")
-    assert _from_layout(to_numpy(y), layout, True).shape == y_ref.shape == (0, geom["o"], 3, 3)
+    assert from_layout(to_numpy(y), layout, True).shape == y_ref.shape == (0, geom["o"], 3, 3)
     assert tuple(grads.x.shape) == tuple(x.shape)
     np.testing.assert_array_equal(to_numpy(grads.weight), np.zeros(w64.shape))
     np.testing.assert_array_equal(to_numpy(grads.bias), np.zeros(b64.shape))
@@ -248,7 +219,7 @@ def test_directional_derivatives(geom_name, layout, act):
     geom = GEOMS[geom_name]
     rng = np.random.default_rng(21)
     x64, w64, b64 = _data(geom, rng)
-    x = _to_layout(x64, layout, True)
+    x = to_layout(x64, layout, True)
     kwargs = _conv_kwargs(geom, layout, act)
     y, pullback = pnn.vjp(conv, x, w64, b64, **kwargs)
     dy = rng.standard_normal(y.shape)
@@ -273,7 +244,7 @@ def test_functional_path_for_immutable_arrays(monkeypatch, layout, geom_name):
     geom = GEOMS[geom_name]
     rng = np.random.default_rng(3)
     x64, w64, b64 = _data(geom, rng)
-    x = _to_layout(x64, layout, True)
+    x = to_layout(x64, layout, True)
     kwargs = _conv_kwargs(geom, layout, "tanh")
     y, pullback = pnn.vjp(conv, x, w64, b64, **kwargs)
     dy = rng.standard_normal(y.shape)
@@ -379,8 +350,8 @@ def test_unbatched_matches_batch_of_one():
     x, w, b = _data(geom, rng)
     for layout in ("first", "last"):
         kwargs = _conv_kwargs(geom, layout, "sigmoid")
-        one = conv(_to_layout(x[:1], layout, True), w, b, **kwargs)
-        single = conv(_to_layout(x[:1], layout, False), w, b, **kwargs)
+        one = conv(to_layout(x[:1], layout, True), w, b, **kwargs)
+        single = conv(to_layout(x[:1], layout, False), w, b, **kwargs)
         assert single.shape == one.shape[1:]
         np.testing.assert_array_equal(single, one[0])
 

@@ -3,8 +3,6 @@ zero size, finite differences, the residual kept for the backward, plumbing and 
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 import torch
@@ -23,6 +21,7 @@ from pnn_testing import (
 )
 from portable_nn.api.dense import _prepare_dense, dense
 from portable_nn.reference import dense as ref_dense
+from torch_oracle import TORCH_ACT, activation_arg
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -34,24 +33,6 @@ def _single_threaded_torch():
     torch.set_num_threads(threads)
 
 
-TORCH_ACT = {
-    "identity": lambda z: z,
-    "relu": F.relu,
-    "sigmoid": torch.sigmoid,
-    "tanh": torch.tanh,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
-    "silu": F.silu,
-    "leaky_relu": F.leaky_relu,
-    "leaky_relu(0.2)": lambda z: F.leaky_relu(z, 0.2),
-    "leaky_relu(-0.3)": lambda z: F.leaky_relu(z, -0.3),
-}
-
-
-def _activation(label: str) -> Any:
-    if label.startswith("leaky_relu("):
-        return ("leaky_relu", float(label[len("leaky_relu(") : -1]))
-    return label
 
 
 def torch_dense(x64, w64, b64, dy64, act_label):
@@ -72,7 +53,7 @@ def _run_case(case, lead, sizes, act, bias, seed):
     x, w, b = case.asarray(x64), case.param(w64), case.param(b64)
     before = snapshot([x, w, b])
     with case.use():
-        y, pullback = pnn.vjp(dense, x, w, b, activation=_activation(act))
+        y, pullback = pnn.vjp(dense, x, w, b, activation=activation_arg(act))
         dy = case.asarray(rng.standard_normal(tuple(y.shape)))
         grads = pullback(dy)
     assert unchanged([x, w, b], before)

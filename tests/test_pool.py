@@ -21,6 +21,7 @@ from pnn_testing import (
     unchanged,
 )
 from portable_nn.api.pool import avg_pool, max_pool
+from torch_oracle import from_layout, to_layout
 
 TORCH_MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 TORCH_AVG = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
@@ -39,17 +40,6 @@ GEOMS = {
 }
 
 
-def _to_layout(a: np.ndarray, layout: str, batched: bool) -> np.ndarray:
-    """A batched channels-first array in the test's layout."""
-    if layout == "last":
-        a = np.moveaxis(a, 1, -1)
-    return a if batched else a[0]
-
-
-def _from_layout(a: np.ndarray, layout: str, batched: bool) -> np.ndarray:
-    if not batched:
-        a = a[None]
-    return np.moveaxis(a, -1, 1) if layout == "last" else a
 
 
 def _geometry_kwargs(geom: dict, batched: bool, *, use_dilation: bool) -> dict:
@@ -86,7 +76,7 @@ def _run_case(case, kind, geom, layout, batched, extra, rng):
     kwargs = _geometry_kwargs(geom, batched, use_dilation=kind == "max")
     kwargs.update(extra)
     op = max_pool if kind == "max" else avg_pool
-    x = case.asarray(_to_layout(base, layout, batched))
+    x = case.asarray(to_layout(base, layout, batched))
     channel_axis = -1 if layout == "last" else 1
     before = snapshot([x])
     with case.use():
@@ -96,13 +86,13 @@ def _run_case(case, kind, geom, layout, batched, extra, rng):
     assert unchanged([x], before)
     assert family_of(y) == case.lib and family_of(grads.x) == case.lib
     assert y.dtype == x.dtype and grads.x.dtype == x.dtype
-    x64 = _from_layout(to_numpy(x), layout, batched)
-    dy64 = _from_layout(to_numpy(dy), layout, batched)
+    x64 = from_layout(to_numpy(x), layout, batched)
+    dy64 = from_layout(to_numpy(dy), layout, batched)
     torch_kwargs = dict(_geometry_kwargs(geom, True, use_dilation=kind == "max"))
     torch_kwargs.update(extra)
     y_ref, dx_ref = _torch_pool(kind, x64, dy64, d, torch_kwargs)
-    assert_close(_from_layout(to_numpy(y), layout, batched), y_ref, case.tol, f"{kind}_pool output")
-    assert_close(_from_layout(to_numpy(grads.x), layout, batched), dx_ref, case.tol, f"{kind}_pool dx")
+    assert_close(from_layout(to_numpy(y), layout, batched), y_ref, case.tol, f"{kind}_pool output")
+    assert_close(from_layout(to_numpy(grads.x), layout, batched), dx_ref, case.tol, f"{kind}_pool dx")
 
 
 _MAX_GRID = grid(
@@ -215,19 +205,19 @@ def test_max_pool_nan_propagates_like_torch(case, layout):
     base[0, 1, 0, 2] = np.nan
     base[0, 1, 1, 3] = np.nan  # two NaN in one window
     base[0, 1, 4, 5] = np.nan  # in a ceil-mode edge window
-    x = case.asarray(_to_layout(base, layout, True))
+    x = case.asarray(to_layout(base, layout, True))
     kwargs = dict(window=(2, 3), stride=(1, 2), padding=1, ceil_mode=True)
     with case.use():
         y, pullback = pnn.vjp(max_pool, x, channel_axis=-1 if layout == "last" else 1, **kwargs)
         dy = rng.standard_normal(tuple(y.shape))
         dx = pullback(case.asarray(dy)).x
-    y_ref, dx_ref = _torch_pool("max", base, _from_layout(dy, layout, True), 2, kwargs)
-    y64 = _from_layout(to_numpy(y), layout, True)
+    y_ref, dx_ref = _torch_pool("max", base, from_layout(dy, layout, True), 2, kwargs)
+    y64 = from_layout(to_numpy(y), layout, True)
     assert np.isnan(y_ref).any()
     np.testing.assert_array_equal(np.isnan(y64), np.isnan(y_ref))
     finite = ~np.isnan(y_ref)
     np.testing.assert_allclose(y64[finite], y_ref[finite], rtol=case.tol)
-    assert_close(_from_layout(to_numpy(dx), layout, True), dx_ref, case.tol, "dx with NaN")
+    assert_close(from_layout(to_numpy(dx), layout, True), dx_ref, case.tol, "dx with NaN")
 
 
 def test_max_pool_infinite_windows_like_torch():
