@@ -260,28 +260,26 @@ def _backward_group(x, dy, w, b, dx, mean, rstd, dwp, dbp, k, i, c, cg, s, train
                             w[base + j], b[base + j], m, r, mean_gx, mean_gxh, train, code, slope)
 
 
+@njit(inline="always", **_OPTS)
+def _backward_task(t, x, dy, w, b, dx, mean, rstd, dwp, dbp, chunk, cg, s, train, center, need_x, code, slope):
+    """Task t = (chunk k of the Nn axis, group c): its groups and partial-parameter row k."""
+    Nn, C = x.shape[0], x.shape[2]
+    k = t // C
+    c = t % C
+    for i in range(k * chunk, min(Nn, (k + 1) * chunk)):
+        _backward_group(x, dy, w, b, dx, mean, rstd, dwp, dbp, k, i, c, cg, s, train, center, need_x, code, slope)
+
+
 @njit(parallel=True, **_OPTS)
 def _backward_parallel(x, dy, w, b, dx, mean, rstd, dwp, dbp, chunk, cg, s, train, center, need_x, code, slope):
-    Nn, C = x.shape[0], x.shape[2]
-    K = dwp.shape[0]
-    for t in prange(K * C):
-        k = t // C
-        c = t % C
-        for i in range(k * chunk, min(Nn, (k + 1) * chunk)):
-            _backward_group(x, dy, w, b, dx, mean, rstd, dwp, dbp, k, i, c, cg, s, train, center, need_x,
-                            code, slope)
+    for t in prange(dwp.shape[0] * x.shape[2]):
+        _backward_task(t, x, dy, w, b, dx, mean, rstd, dwp, dbp, chunk, cg, s, train, center, need_x, code, slope)
 
 
 @njit(**_OPTS)
 def _backward_serial(x, dy, w, b, dx, mean, rstd, dwp, dbp, chunk, cg, s, train, center, need_x, code, slope):
-    Nn, C = x.shape[0], x.shape[2]
-    K = dwp.shape[0]
-    for t in range(K * C):
-        k = t // C
-        c = t % C
-        for i in range(k * chunk, min(Nn, (k + 1) * chunk)):
-            _backward_group(x, dy, w, b, dx, mean, rstd, dwp, dbp, k, i, c, cg, s, train, center, need_x,
-                            code, slope)
+    for t in range(dwp.shape[0] * x.shape[2]):
+        _backward_task(t, x, dy, w, b, dx, mean, rstd, dwp, dbp, chunk, cg, s, train, center, need_x, code, slope)
 
 
 # --------------------------------------------------------------------------- plans and entry points
