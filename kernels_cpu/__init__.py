@@ -35,3 +35,13 @@ for _op in ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm
         supports=Support(layouts=("channels_first", "channels_last"), **CPU_SUPPORT),
         priority=NUMBA_PRIORITY,
     )
+
+# <rnn registrations>
+
+# <conv registrations>
+
+# <dense registrations>
+
+# <pool registrations>
+
+# <loss registrations>
