@@ -51,6 +51,7 @@ class Row:
     median_ms: float
     bytes_moved: int
     ratio_vs_torch: float | None = None
+    ratio_vs_reference: float | None = None
     gbps: float | None = None
     fraction_of_copy: float | None = None
 
@@ -144,13 +145,18 @@ def _time_interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[s
 
 
 def _contenders(workload: Workload) -> list[str]:
-    backends = [
-        impl.backend
-        for impl in dispatch.implementations(workload.op)
-        if dispatch.backend_status(impl.backend)
-        and impl.supports.matches_arrays(_cpu_probe()) is None
+    """Backends that run every op of the workload on NumPy float32 CPU arrays."""
+    probe = _cpu_probe()
+    per_op = [
+        {
+            impl.backend
+            for impl in dispatch.implementations(op)
+            if dispatch.backend_status(impl.backend) and impl.supports.matches_arrays(probe) is None
+        }
+        for op in workload.ops
     ]
-    return backends
+    common = set.intersection(*per_op)
+    return [impl.backend for impl in dispatch.implementations(workload.ops[0]) if impl.backend in common]
 
 
 def _cpu_probe() -> dispatch.Call:
@@ -163,7 +169,7 @@ def run_suite(ops: list[str] | None = None, quick: bool = False, progress: bool 
     """Measure every selected workload; returns the :class:`Report`."""
     _threads(2)
     report = Report(_environment(), _copy_bandwidth(quick), quick=quick)
-    selected = [w for w in WORKLOADS if ops is None or w.op in ops or w.name in ops]
+    selected = [w for w in WORKLOADS if ops is None or w.name in ops or any(op in ops for op in w.ops)]
     repeats = 5 if quick else 15
     total = len(selected)
     for n, workload in enumerate(selected):
@@ -185,6 +191,9 @@ def run_suite(ops: list[str] | None = None, quick: bool = False, progress: bool 
             torch_s = timed.get(f"torch|{phase}")
             if torch_s is not None:
                 row.ratio_vs_torch = torch_s / seconds
+            ref_s = timed.get(f"reference|{phase}")
+            if ref_s is not None and contender != "reference":
+                row.ratio_vs_reference = ref_s / seconds
             if moved:
                 row.gbps = moved / seconds / 1e9
                 row.fraction_of_copy = row.gbps / report.copy_gbps
@@ -216,7 +225,7 @@ def _first_call_latency(selected: list[Workload], quick: bool) -> dict[str, dict
     result = {}
     ops_done = set()
     for workload in selected:
-        if workload.op in ops_done or not any(
+        if len(workload.ops) > 1 or workload.op in ops_done or not any(
             i.backend == "numba" for i in dispatch.implementations(workload.op)
         ):
             continue
@@ -248,15 +257,16 @@ def format_report(report: Report) -> str:
         "env: " + ", ".join(f"{k}={v or '-'}" for k, v in env["env"].items()),
         f"copy bandwidth (read+write): {report.copy_gbps:.1f} GB/s",
         "",
-        f"{'workload':34s} {'contender':10s} {'phase':8s} {'median ms':>10s} {'vs torch':>9s} {'GB/s':>7s} "
-        f"{'% copy':>7s}",
+        f"{'workload':38s} {'contender':10s} {'phase':8s} {'median ms':>10s} {'vs torch':>9s} {'vs ref':>7s} "
+        f"{'GB/s':>7s} {'% copy':>7s}",
     ]
     for r in report.rows:
         ratio = f"{r.ratio_vs_torch:.2f}x" if r.ratio_vs_torch is not None else "-"
+        vs_ref = f"{r.ratio_vs_reference:.1f}x" if r.ratio_vs_reference is not None else "-"
         gbps = f"{r.gbps:.1f}" if r.gbps is not None else "-"
         frac = f"{100 * r.fraction_of_copy:.0f}%" if r.fraction_of_copy is not None else "-"
-        lines.append(f"{r.workload:34s} {r.contender:10s} {r.phase:8s} {r.median_ms:10.3f} {ratio:>9s} "
-                     f"{gbps:>7s} {frac:>7s}")
+        lines.append(f"{r.workload:38s} {r.contender:10s} {r.phase:8s} {r.median_ms:10.3f} {ratio:>9s} "
+                     f"{vs_ref:>7s} {gbps:>7s} {frac:>7s}")
     if report.first_call:
         lines += ["", "first fwd+bwd call in a new process (numba):"]
         for op, entry in report.first_call.items():

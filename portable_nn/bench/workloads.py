@@ -1,13 +1,20 @@
-"""Benchmark workloads: standard shapes from the issue tracker, float32, fwd / bwd / fwd+bwd.
+"""Benchmark workloads: the issue tracker's standard shapes, float32, fwd / bwd / fwd+bwd.
 
-Each :class:`Workload` builds its data once and returns closures; ``bytes_moved``
-is the minimum memory traffic of a phase (each input read once, each output
-written once), the numerator of the GB/s column.
+A :class:`Workload` names the ops it uses (a backend competes when it implements
+all of them) and builds its data once, returning closures per phase for a
+portable_nn backend and for PyTorch.  ``bytes_moved`` is the minimum memory
+traffic of a phase (each input read once, each output written once) for
+memory-bound workloads — the numerator of the GB/s column — and empty for
+compute-bound ones.
+
+Models (LeNet-5, the MLP) chain ``pnn.vjp`` pullbacks by hand, as a user
+without an autograd library would; their "gradient" is the fwd+bwd phase.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,103 +22,434 @@ import numpy as np
 
 import portable_nn as pnn
 
+Phases = dict[str, Callable[[], Any]]
+
 
 @dataclass
 class Cases:
-    portable: Callable[[str], dict[str, Callable[[], Any]]]
-    torch: Callable[[], dict[str, Callable[[], Any]]] | None
+    portable: Callable[[str], Phases]
+    torch: Callable[[], Phases] | None
     bytes_moved: dict[str, int]
 
 
 @dataclass
 class Workload:
     name: str
-    op: str
+    ops: tuple[str, ...]
     build: Callable[[bool], Cases]
 
-
-def _phases(forward: Callable[[], Any], vjp: Callable[[], Any], dy: Any) -> dict[str, Callable[[], Any]]:
-    """fwd, bwd (pullback only) and fwd+bwd closures for one contender."""
-    _, pullback = vjp()
-
-    def fwd_bwd() -> Any:
-        _, pb = vjp()
-        return pb(dy)
-
-    return {"fwd": forward, "bwd": lambda: pullback(dy), "fwd+bwd": fwd_bwd}
+    @property
+    def op(self) -> str:
+        """The op a single-op workload measures (its first-call latency is reported per op)."""
+        return self.ops[0]
 
 
-def _torch_phases(forward: Callable[[], Any], inputs: tuple, dy: Any) -> dict[str, Callable[[], Any]]:
+def _rng() -> np.random.Generator:
+    return np.random.default_rng(0)
+
+
+def _randn(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+# --------------------------------------------------------------------------- phase builders
+
+
+def _portable_phases(backend: str, forward: Callable[[], Any], gradient: Callable[[], Any],
+                     vjp: Callable[[], tuple[Any, Callable[[], Any]]] | None = None) -> Phases:
+    """fwd, bwd (the pullback of one saved forward, when ``vjp`` is given) and fwd+bwd under ``backend``."""
+
+    def under(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            with pnn.use_backend(backend):
+                return fn()
+
+        return run
+
+    phases = {"fwd": under(forward)}
+    if vjp is not None:
+        with pnn.use_backend(backend):
+            _, pullback = vjp()
+        phases["bwd"] = under(pullback)
+    phases["fwd+bwd"] = under(gradient)
+    return phases
+
+
+def _op_phases(backend: str, fn: Callable[..., Any], args: tuple, kwargs: dict, dy: Any,
+               wrt: Sequence[str] | None = None) -> Phases:
+    """Phases of one op: the pullback gets ``dy``."""
+
+    def vjp() -> tuple[Any, Callable[[], Any]]:
+        y, pb = pnn.vjp(fn, *args, wrt=wrt, **kwargs)
+        return y, lambda: pb(dy)
+
+    def gradient() -> Any:
+        return vjp()[1]()
+
+    return _portable_phases(backend, lambda: fn(*args, **kwargs), gradient, vjp)
+
+
+def _torch_phases(forward: Callable[[], Any], inputs: Sequence[Any], dy: Any = None,
+                  loss: Callable[[Any], Any] | None = None) -> Phases:
+    """fwd (no_grad), bwd (``autograd.grad`` of one kept graph) and fwd+bwd for a torch forward.
+
+    The backward seeds the output(s) with ``dy`` (a tensor, or a tuple for several outputs), or
+    differentiates the scalar ``loss(output)``.
+    """
     import torch
 
-    y = forward()
-
-    def bwd() -> Any:
-        return torch.autograd.grad(y, inputs, dy, retain_graph=True)
-
-    def fwd_bwd() -> Any:
-        return torch.autograd.grad(forward(), inputs, dy)
+    def seeded(y: Any) -> tuple[Any, Any]:
+        if loss is not None:
+            return loss(y), None
+        return y, dy
 
     def fwd() -> Any:
         with torch.no_grad():
             return forward()
 
-    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
+    def fwd_bwd() -> Any:
+        out, grad = seeded(forward())
+        return torch.autograd.grad(out, inputs, grad)
+
+    phases = {"fwd": fwd}
+    if loss is None:
+        kept, grad = seeded(forward())
+        phases["bwd"] = lambda: torch.autograd.grad(kept, inputs, grad, retain_graph=True)
+    phases["fwd+bwd"] = fwd_bwd
+    return phases
+
+
+def _tensors(*arrays: np.ndarray, grad: bool = True) -> list[Any]:
+    import torch
+
+    return [torch.tensor(a, requires_grad=grad) for a in arrays]
+
+
+# --------------------------------------------------------------------------- norms
 
 
 def _norm_workload(name: str, op: str, shape: tuple[int, ...], quick_shape: tuple[int, ...],
                    channels_of: Callable[[tuple[int, ...]], int], extra: tuple = ()) -> Workload:
     def build(quick: bool) -> Cases:
         s = quick_shape if quick else shape
-        rng = np.random.default_rng(0)
-        x = rng.standard_normal(s, dtype=np.float32)
-        dy = rng.standard_normal(s, dtype=np.float32)
+        rng = _rng()
+        x, dy = _randn(rng, *s), _randn(rng, *s)
         c = channels_of(s)
-        w = np.ones(c, np.float32)
-        b = np.zeros(c, np.float32)
+        w, b = np.ones(c, np.float32), np.zeros(c, np.float32)
         fn = getattr(pnn, op)
-        args = (x, *extra, w, b)
+        args = (x, *extra, w) if op == "rms_norm" else (x, *extra, w, b)
 
-        def portable(backend: str) -> dict[str, Callable[[], Any]]:
-            def forward() -> Any:
-                with pnn.use_backend(backend):
-                    return fn(*args)
-
-            def vjp() -> Any:
-                with pnn.use_backend(backend):
-                    y, pb = pnn.vjp(fn, *args)
-
-                def pullback(d: Any) -> Any:
-                    with pnn.use_backend(backend):
-                        return pb(d)
-
-                return y, pullback
-
-            return _phases(forward, vjp, dy)
-
-        def torch_cases() -> dict[str, Callable[[], Any]]:
+        def torch_cases() -> Phases:
             import torch
             import torch.nn.functional as F
 
-            xt, wt, bt = (torch.tensor(a, requires_grad=True) for a in (x, w, b))
-            dyt = torch.tensor(dy)
+            xt, wt, bt = _tensors(x, w, b)
             forward = {
                 "layer_norm": lambda: F.layer_norm(xt, (c,), wt, bt),
+                "rms_norm": lambda: F.rms_norm(xt, (c,), wt, eps=1e-6),
                 "batch_norm": lambda: F.batch_norm(xt, None, None, wt, bt, training=True),
                 "group_norm": lambda: F.group_norm(xt, extra[0] if extra else 1, wt, bt),
+                "instance_norm": lambda: F.instance_norm(xt, weight=wt, bias=bt),
             }[op]
-            return _torch_phases(forward, (xt, wt, bt), dyt)
+            inputs = (xt, wt) if op == "rms_norm" else (xt, wt, bt)
+            return _torch_phases(forward, inputs, torch.tensor(dy))
 
-        nbytes = x.nbytes
-        return Cases(portable, torch_cases, {"fwd": 2 * nbytes, "bwd": 3 * nbytes, "fwd+bwd": 5 * nbytes})
+        n = x.nbytes
+        return Cases(lambda be: _op_phases(be, fn, args, {}, dy), torch_cases,
+                     {"fwd": 2 * n, "bwd": 3 * n, "fwd+bwd": 5 * n})
 
-    return Workload(name, op, build)
+    return Workload(name, (op,), build)
+
+
+# --------------------------------------------------------------------------- recurrent
+
+
+def _rnn_params(rng: np.random.Generator, gates: int, inp: int, hidden: int, layers: int) -> list[tuple]:
+    k = 1.0 / np.sqrt(hidden)
+    params = []
+    for layer in range(layers):
+        i = inp if layer == 0 else hidden
+        params.append((_randn(rng, gates * hidden, i, scale=k), _randn(rng, gates * hidden, hidden, scale=k),
+                       _randn(rng, gates * hidden, scale=k), _randn(rng, gates * hidden, scale=k)))
+    return params
+
+
+def _sequence_workload(op: str) -> Workload:
+    """2-layer LSTM/GRU over a whole sequence (I=H=64, N=256, T=50) vs ``nn.LSTM``/``nn.GRU``."""
+    gates = {"lstm": 4, "gru": 3}[op]
+
+    def build(quick: bool) -> Cases:
+        t, n, h, layers = (10, 32, 64, 2) if quick else (50, 256, 64, 2)
+        rng = _rng()
+        x, dy = _randn(rng, t, n, h), _randn(rng, t, n, h)
+        params = _rnn_params(rng, gates, h, h, layers)
+        fn = getattr(pnn, op)
+
+        def portable(backend: str) -> Phases:
+            cot = (dy, None)
+            return _op_phases(backend, fn, (x, params), {}, cot)
+
+        def torch_cases() -> Phases:
+            import torch
+
+            module = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}[op](h, h, layers)
+            with torch.no_grad():
+                for layer, (w_ih, w_hh, b_ih, b_hh) in enumerate(params):
+                    for attr, value in (("weight_ih", w_ih), ("weight_hh", w_hh), ("bias_ih", b_ih),
+                                        ("bias_hh", b_hh)):
+                        getattr(module, f"{attr}_l{layer}").copy_(torch.from_numpy(value))
+            (xt,) = _tensors(x)
+            return _torch_phases(lambda: module(xt)[0], (xt, *module.parameters()), torch.tensor(dy))
+
+        return Cases(portable, torch_cases, {})
+
+    return Workload(f"{op} 2 layers I=H=64 N=256 T=50", (op,), build)
+
+
+def _cell_workload(op: str) -> Workload:
+    """One LSTM/GRU cell step at N=256, I=H=64 (mostly elementwise work around two small GEMMs)."""
+    gates = {"lstm_cell": 4, "gru_cell": 3}[op]
+
+    def build(quick: bool) -> Cases:
+        n, h = (32, 64) if quick else (256, 64)
+        rng = _rng()
+        x, h0, c0 = _randn(rng, n, h), _randn(rng, n, h), _randn(rng, n, h)
+        ((w_ih, w_hh, b_ih, b_hh),) = _rnn_params(rng, gates, h, h, 1)
+        dh, dc = _randn(rng, n, h), _randn(rng, n, h)
+        if op == "lstm_cell":
+            args, cot = (x, h0, c0, w_ih, w_hh, b_ih, b_hh), (dh, dc)
+        else:
+            args, cot = (x, h0, w_ih, w_hh, b_ih, b_hh), dh
+
+        def torch_cases() -> Phases:
+            import torch
+
+            ts = _tensors(*args)
+            if op == "lstm_cell":
+                xt, ht, ct, *wt = ts
+                forward = lambda: torch.lstm_cell(xt, (ht, ct), *wt)  # noqa: E731
+                return _torch_phases(forward, ts, (torch.tensor(dh), torch.tensor(dc)))
+            xt, ht, *wt = ts
+            return _torch_phases(lambda: torch.gru_cell(xt, ht, *wt), ts, torch.tensor(dh))
+
+        return Cases(lambda be: _op_phases(be, getattr(pnn, op), args, {}, cot), torch_cases, {})
+
+    return Workload(f"{op} N=256 I=H=64", (op,), build)
+
+
+# --------------------------------------------------------------------------- conv, pooling, losses
+
+
+def _conv_workload(name: str, x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> Workload:
+    """conv + bias + relu (one fused call) vs ``F.relu(F.conv2d(...))``."""
+
+    def build(quick: bool) -> Cases:
+        xs = (16, *x_shape[1:]) if quick else x_shape
+        rng = _rng()
+        x, w, b = _randn(rng, *xs), _randn(rng, *w_shape, scale=0.2), _randn(rng, w_shape[0], scale=0.1)
+        out_hw = [s - k + 1 for s, k in zip(xs[2:], w_shape[2:])]
+        dy = _randn(rng, xs[0], w_shape[0], *out_hw)
+
+        def torch_cases() -> Phases:
+            import torch
+            import torch.nn.functional as F
+
+            xt, wt, bt = _tensors(x, w, b)
+            return _torch_phases(lambda: F.relu(F.conv2d(xt, wt, bt)), (xt, wt, bt), torch.tensor(dy))
+
+        portable = lambda be: _op_phases(be, pnn.conv, (x, w, b), {"activation": "relu"}, dy)  # noqa: E731
+        return Cases(portable, torch_cases, {})
+
+    return Workload(name, ("conv",), build)
+
+
+def _pool_workload(op: str) -> Workload:
+    def build(quick: bool) -> Cases:
+        shape = (16, 6, 24, 24) if quick else (128, 6, 24, 24)
+        rng = _rng()
+        x = _randn(rng, *shape)
+        dy = _randn(rng, shape[0], shape[1], shape[2] // 2, shape[3] // 2)
+        fn = getattr(pnn, op)
+
+        def torch_cases() -> Phases:
+            import torch
+            import torch.nn.functional as F
+
+            (xt,) = _tensors(x)
+            tfn = {"max_pool": F.max_pool2d, "avg_pool": F.avg_pool2d}[op]
+            return _torch_phases(lambda: tfn(xt, 2), (xt,), torch.tensor(dy))
+
+        n, m = x.nbytes, dy.nbytes
+        return Cases(lambda be: _op_phases(be, fn, (x, 2), {}, dy), torch_cases,
+                     {"fwd": n + m, "bwd": m + n, "fwd+bwd": 2 * (n + m)})
+
+    return Workload(f"{op} 2x2 (128,6,24,24)", (op,), build)
+
+
+def _loss_workload(op: str) -> Workload:
+    def build(quick: bool) -> Cases:
+        n, c = (256, 1000) if quick else (4096, 1000)
+        rng = _rng()
+        logits = _randn(rng, n, c)
+        if op == "log_softmax":
+            args, kwargs, dy = (logits,), {"axis": -1}, _randn(rng, n, c)
+            moved = {"fwd": 2 * logits.nbytes, "bwd": 3 * logits.nbytes, "fwd+bwd": 5 * logits.nbytes}
+        else:
+            target = rng.integers(0, c, n)
+            args, kwargs, dy = (logits, target), {}, np.ones((), np.float32)
+            moved = {"fwd": logits.nbytes, "bwd": 2 * logits.nbytes, "fwd+bwd": 3 * logits.nbytes}
+
+        def torch_cases() -> Phases:
+            import torch
+            import torch.nn.functional as F
+
+            (lt,) = _tensors(logits)
+            if op == "log_softmax":
+                return _torch_phases(lambda: F.log_softmax(lt, -1), (lt,), torch.tensor(dy))
+            tt = torch.tensor(args[1])
+            return _torch_phases(lambda: F.cross_entropy(lt, tt), (lt,), torch.tensor(1.0))
+
+        portable = lambda be: _op_phases(be, getattr(pnn, op), args, kwargs, dy, wrt=("logits",) if  # noqa: E731
+                                         op == "cross_entropy" else None)
+        return Cases(portable, torch_cases, moved)
+
+    return Workload(f"{op} (4096,1000)", (op,), build)
+
+
+# --------------------------------------------------------------------------- models
+
+
+#: A model layer: ``(op, params, kwargs, wrt)``, called as ``op(h, *params, **kwargs)``; or FLATTEN.
+Layer = tuple[Callable[..., Any], tuple, dict, tuple[str, ...]]
+FLATTEN = "flatten"
+
+
+def _model_forward(layers: Sequence[Layer | str], x: Any) -> Any:
+    h = x
+    for layer in layers:
+        if layer == FLATTEN:
+            h = h.reshape(h.shape[0], -1)
+            continue
+        fn, params, kwargs, _ = layer
+        h = fn(h, *params, **kwargs)
+    return h
+
+
+def _model_gradient(layers: Sequence[Layer | str], x: Any) -> list[Any]:
+    """Gradients of ``Σ y²`` w.r.t. every layer's weight and bias, by chaining pullbacks."""
+    h, tape = x, []
+    for layer in layers:
+        if layer == FLATTEN:
+            tape.append(h.shape)
+            h = h.reshape(h.shape[0], -1)
+            continue
+        fn, params, kwargs, wrt = layer
+        h, pullback = pnn.vjp(fn, h, *params, wrt=wrt, **kwargs)
+        tape.append(pullback)
+    g, grads = 2.0 * h, []
+    for entry in reversed(tape):
+        if isinstance(entry, tuple):
+            g = g.reshape(entry)
+            continue
+        result = entry(g)
+        grads.extend(v for name, v in result._asdict().items() if name in ("weight", "bias"))
+        g = result[0]
+    return grads
+
+
+def _model_workload(name: str, ops: tuple[str, ...], make: Callable[[bool], tuple[Any, list, Callable]]) -> Workload:
+    """A model's forward and parameter gradient; ``make(quick)`` gives (x, layers, torch forward maker)."""
+
+    def build(quick: bool) -> Cases:
+        x, layers, torch_forward = make(quick)
+
+        def portable(backend: str) -> Phases:
+            return _portable_phases(backend, lambda: _model_forward(layers, x), lambda: _model_gradient(layers, x))
+
+        def torch_cases() -> Phases:
+            (xt,) = _tensors(x, grad=False)
+            arrays = [p for layer in layers if layer != FLATTEN for p in layer[1] if isinstance(p, np.ndarray)]
+            params = _tensors(*arrays)
+            return _torch_phases(lambda: torch_forward(xt, params), params, loss=lambda y: (y * y).sum())
+
+        return Cases(portable, torch_cases, {})
+
+    return Workload(name, ops, build)
+
+
+def _dense_layers(rng: np.random.Generator, sizes: Sequence[int], first_wrt_x: bool) -> list[Layer]:
+    """Dense layers with relu between them (none after the last)."""
+    layers = []
+    for k, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes)):
+        params = (_randn(rng, fan_out, fan_in, scale=fan_in**-0.5), _randn(rng, fan_out, scale=0.1))
+        kwargs = {"activation": "relu"} if k < len(sizes) - 2 else {}
+        wrt = ("x", "weight", "bias") if k or first_wrt_x else ("weight", "bias")
+        layers.append((pnn.dense, params, kwargs, wrt))
+    return layers
+
+
+def _torch_dense(h: Any, params: Sequence[Any]) -> Any:
+    import torch.nn.functional as F
+
+    for k in range(0, len(params), 2):
+        h = F.linear(h, params[k], params[k + 1])
+        if k + 2 < len(params):
+            h = F.relu(h)
+    return h
+
+
+def _mlp(quick: bool) -> tuple[Any, list, Callable]:
+    """MLP 784-32-10 (relu), batch 128."""
+    rng = _rng()
+    x = _randn(rng, 128, 784)
+    return x, _dense_layers(rng, (784, 32, 10), first_wrt_x=False), _torch_dense
+
+
+def _lenet(quick: bool) -> tuple[Any, list, Callable]:
+    """LeNet-5: conv5-relu-pool2, conv5-relu-pool2, dense 256-120-84-10; batch 128 of 28x28."""
+    rng = _rng()
+    x = _randn(rng, 16 if quick else 128, 1, 28, 28)
+    relu = {"activation": "relu"}
+    conv1 = (_randn(rng, 6, 1, 5, 5, scale=0.2), _randn(rng, 6, scale=0.1))
+    conv2 = (_randn(rng, 16, 6, 5, 5, scale=150**-0.5), _randn(rng, 16, scale=0.1))
+    layers = [
+        (pnn.conv, conv1, relu, ("weight", "bias")),
+        (pnn.max_pool, (2,), {}, ("x",)),
+        (pnn.conv, conv2, relu, ("x", "weight", "bias")),
+        (pnn.max_pool, (2,), {}, ("x",)),
+        FLATTEN,
+        *_dense_layers(rng, (256, 120, 84, 10), first_wrt_x=True),
+    ]
+
+    def torch_forward(xt: Any, ps: Sequence[Any]) -> Any:
+        import torch.nn.functional as F
+
+        h = F.max_pool2d(F.relu(F.conv2d(xt, ps[0], ps[1])), 2)
+        h = F.max_pool2d(F.relu(F.conv2d(h, ps[2], ps[3])), 2).flatten(1)
+        return _torch_dense(h, ps[4:])
+
+    return x, layers, torch_forward
 
 
 WORKLOADS = [
     _norm_workload("layer_norm (4096,1024)", "layer_norm", (4096, 1024), (256, 1024), lambda s: s[-1]),
+    _norm_workload("rms_norm (4096,1024)", "rms_norm", (4096, 1024), (256, 1024), lambda s: s[-1]),
     _norm_workload("batch_norm train (128,64,32,32)", "batch_norm", (128, 64, 32, 32), (8, 64, 16, 16),
                    lambda s: s[1]),
     _norm_workload("group_norm 32 groups (128,64,32,32)", "group_norm", (128, 64, 32, 32), (8, 64, 16, 16),
                    lambda s: s[1], extra=(32,)),
+    _norm_workload("instance_norm (128,64,32,32)", "instance_norm", (128, 64, 32, 32), (8, 64, 16, 16),
+                   lambda s: s[1]),
+    _cell_workload("lstm_cell"),
+    _cell_workload("gru_cell"),
+    _sequence_workload("lstm"),
+    _sequence_workload("gru"),
+    _conv_workload("conv5x5+bias+relu (128,1,28,28)->6", (128, 1, 28, 28), (6, 1, 5, 5)),
+    _conv_workload("conv5x5+bias+relu (128,6,12,12)->16", (128, 6, 12, 12), (16, 6, 5, 5)),
+    _pool_workload("max_pool"),
+    _pool_workload("avg_pool"),
+    _loss_workload("log_softmax"),
+    _loss_workload("cross_entropy"),
+    _model_workload("MLP 784-32-10 gradient, batch 128", ("dense",), _mlp),
+    _model_workload("LeNet-5 gradient, batch 128", ("conv", "max_pool", "dense"), _lenet),
 ]
