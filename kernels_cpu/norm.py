@@ -338,6 +338,187 @@ def _backward_serial(x, dy, w, b, dx, mean, rstd, dwp, dbp, chunk, cg, s, train,
         _backward_task(t, x, dy, w, b, dx, mean, rstd, dwp, dbp, chunk, cg, s, train, center, need_x, code, slope)
 
 
+# --------------------------------------------------------------------------- short rows: column mode
+#
+# When the statistics groups' contiguous runs are short (Q < COLUMN_MODE_BELOW: channels-last data,
+# (N, C) batch norm), walking group by group costs a call per element.  Column mode views x as
+# (Nn, P, W) with W = C·Q contiguous and streams rows instead: each task (i, row chunk k) adds its
+# rows into partial per-column sums, vectorised across the row; partials are reduced in a fixed
+# order (by NumPy, on small arrays), folded over q into per-group statistics, and the output pass
+# streams rows again with per-column constants.  Every column of a group shares one shift (the
+# group's first element), so the partial sums of a group's columns add exactly.
+
+COLUMN_MODE_BELOW = 32
+_COLUMN_TASKS = 64  # row chunks per Nn index are fixed by the shape, never by the thread count
+
+
+@njit(inline="always", **_OPTS)
+def _col_sums_task(t, x3, shift, s1, s2, rows):
+    i, k = t // s1.shape[1], t % s1.shape[1]
+    a, b, sh = s1[i, k], s2[i, k], shift[i]
+    for p in range(k * rows, min(x3.shape[1], (k + 1) * rows)):
+        row = x3[i, p]
+        for j in range(row.shape[0]):
+            d = np.float64(row[j]) - sh[j]
+            a[j] += d
+            b[j] += d * d
+
+
+@njit(parallel=True, **_OPTS)
+def _col_sums_parallel(x3, shift, s1, s2, rows):
+    for t in prange(s1.shape[0] * s1.shape[1]):
+        _col_sums_task(t, x3, shift, s1, s2, rows)
+
+
+@njit(**_OPTS)
+def _col_sums_serial(x3, shift, s1, s2, rows):
+    for t in range(s1.shape[0] * s1.shape[1]):
+        _col_sums_task(t, x3, shift, s1, s2, rows)
+
+
+@njit(inline="always", **_OPTS)
+def _col_write_task(t, x3, y3, mh, ml, scale, bias, rows, tasks, code, slope):
+    i, k = t // tasks, t % tasks
+    h, lo, sc = mh[i], ml[i], scale[i]
+    for p in range(k * rows, min(x3.shape[1], (k + 1) * rows)):
+        xr = x3[i, p]
+        yr = y3[i, p]
+        for j in range(xr.shape[0]):
+            yr[j] = ((xr[j] - h[j]) - lo[j]) * sc[j] + bias[j]
+        if code != 0:
+            _activate(yr, code, slope)
+
+
+@njit(parallel=True, **_OPTS)
+def _col_write_parallel(x3, y3, mh, ml, scale, bias, rows, tasks, code, slope):
+    for t in prange(x3.shape[0] * tasks):
+        _col_write_task(t, x3, y3, mh, ml, scale, bias, rows, tasks, code, slope)
+
+
+@njit(**_OPTS)
+def _col_write_serial(x3, y3, mh, ml, scale, bias, rows, tasks, code, slope):
+    for t in range(x3.shape[0] * tasks):
+        _col_write_task(t, x3, y3, mh, ml, scale, bias, rows, tasks, code, slope)
+
+
+@njit(inline="always", **_OPTS)
+def _col_grad_task(t, x3, dy3, m, r, w, b, ga, gb, rows, code, slope):
+    """Partial per-column Σ g and Σ g·x̂ of task t (x̂ and g in float64)."""
+    i, k = t // ga.shape[1], t % ga.shape[1]
+    a, bb, mi, ri = ga[i, k], gb[i, k], m[i], r[i]
+    for p in range(k * rows, min(x3.shape[1], (k + 1) * rows)):
+        xr = x3[i, p]
+        dyr = dy3[i, p]
+        if code == 0:
+            for j in range(xr.shape[0]):
+                g = np.float64(dyr[j])
+                a[j] += g
+                bb[j] += g * ((np.float64(xr[j]) - mi[j]) * ri[j])
+        else:
+            for j in range(xr.shape[0]):
+                g, xhat = _g_at(xr[j], dyr[j], mi[j], ri[j], w[j], b[j], code, slope)
+                a[j] += g
+                bb[j] += g * xhat
+
+
+@njit(parallel=True, **_OPTS)
+def _col_grad_parallel(x3, dy3, m, r, w, b, ga, gb, rows, code, slope):
+    for t in prange(ga.shape[0] * ga.shape[1]):
+        _col_grad_task(t, x3, dy3, m, r, w, b, ga, gb, rows, code, slope)
+
+
+@njit(**_OPTS)
+def _col_grad_serial(x3, dy3, m, r, w, b, ga, gb, rows, code, slope):
+    for t in range(ga.shape[0] * ga.shape[1]):
+        _col_grad_task(t, x3, dy3, m, r, w, b, ga, gb, rows, code, slope)
+
+
+@njit(inline="always", **_OPTS)
+def _col_dx_task(t, x3, dy3, dx3, m, r, w, b, mgx, mgxh, rows, tasks, train, code, slope):
+    i, k = t // tasks, t % tasks
+    mi, ri, ai, ci = m[i], r[i], mgx[i], mgxh[i]
+    for p in range(k * rows, min(x3.shape[1], (k + 1) * rows)):
+        xr = x3[i, p]
+        dyr = dy3[i, p]
+        dxr = dx3[i, p]
+        for j in range(xr.shape[0]):
+            g, xhat = _g_at(xr[j], dyr[j], mi[j], ri[j], w[j], b[j], code, slope)
+            if train:
+                dxr[j] = ri[j] * (g * w[j] - ai[j] - xhat * ci[j])
+            else:
+                dxr[j] = ri[j] * g * w[j]
+
+
+@njit(parallel=True, **_OPTS)
+def _col_dx_parallel(x3, dy3, dx3, m, r, w, b, mgx, mgxh, rows, tasks, train, code, slope):
+    for t in prange(x3.shape[0] * tasks):
+        _col_dx_task(t, x3, dy3, dx3, m, r, w, b, mgx, mgxh, rows, tasks, train, code, slope)
+
+
+@njit(**_OPTS)
+def _col_dx_serial(x3, dy3, dx3, m, r, w, b, mgx, mgxh, rows, tasks, train, code, slope):
+    for t in range(x3.shape[0] * tasks):
+        _col_dx_task(t, x3, dy3, dx3, m, r, w, b, mgx, mgxh, rows, tasks, train, code, slope)
+
+
+def _column_plan(nn, p):
+    """(row chunks per Nn index, rows per chunk): about _COLUMN_TASKS tasks in all."""
+    tasks = max(1, min(p, -(-_COLUMN_TASKS // max(nn, 1))))
+    return tasks, max(1, -(-p // tasks))
+
+
+def _per_column(a, q):
+    """(Nn, C) per-group values as (Nn, C·Q) per-column values."""
+    return np.ascontiguousarray(np.repeat(a, q, axis=1))
+
+
+def _columns_forward(x4, w, b, y4, mean, rstd, var, train, center, eps, code, slope):
+    nn, p, c, q = x4.shape
+    x3 = x4.reshape(nn, p, c * q)
+    tasks, rows = _column_plan(nn, p)
+    if train and p * q == 0:
+        mean[...] = 0.0
+        var[...] = 0.0
+        rstd[...] = 1.0 / np.sqrt(eps)
+    elif train:
+        n = p * q
+        shift = _per_column(np.asarray(x4[:, 0, :, 0], np.float64), q) if center else np.zeros((nn, c * q))
+        s1 = np.zeros((nn, tasks, c * q))
+        s2 = np.zeros((nn, tasks, c * q))
+        _run(_col_sums_parallel, _col_sums_serial, x3.size, x3, shift, s1, s2, rows)
+        g1 = s1.sum(axis=1).reshape(nn, c, q).sum(axis=2)
+        g2 = s2.sum(axis=1).reshape(nn, c, q).sum(axis=2)
+        cm = g1 / n
+        mean[...] = shift[:, ::q] + cm if center else 0.0
+        var[...] = np.maximum((g2 - g1 * cm) / n, 0.0) if center else g2 / n
+        rstd[...] = 1.0 / np.sqrt(var + eps)
+    m_col = _per_column(mean, q)
+    mh = m_col.astype(x4.dtype)
+    ml = (m_col - mh).astype(x4.dtype)
+    scale = (_per_column(rstd, q) * w).astype(x4.dtype)
+    _run(_col_write_parallel, _col_write_serial, x3.size,
+         x3, y4.reshape(nn, p, c * q), mh, ml, scale, b, rows, tasks, code, slope)
+
+
+def _columns_backward(x4, dy4, dx4, w, b, mean, rstd, train, center, need_x, code, slope):
+    """dx (when need_x), dweight and dbias (per column) in column mode."""
+    nn, p, c, q = x4.shape
+    x3, dy3 = x4.reshape(nn, p, c * q), dy4.reshape(nn, p, c * q)
+    tasks, rows = _column_plan(nn, p)
+    m_col, r_col = _per_column(mean, q), _per_column(rstd, q)
+    ga = np.zeros((nn, tasks, c * q))
+    gb = np.zeros((nn, tasks, c * q))
+    _run(_col_grad_parallel, _col_grad_serial, x3.size, x3, dy3, m_col, r_col, w, b, ga, gb, rows, code, slope)
+    sa, sb = ga.sum(axis=1), gb.sum(axis=1)
+    if need_x and p * q:
+        n = p * q
+        mgx = _per_column((sa * w).reshape(nn, c, q).sum(axis=2) / n, q) if center else np.zeros_like(sa)
+        mgxh = _per_column((sb * w).reshape(nn, c, q).sum(axis=2) / n, q)
+        _run(_col_dx_parallel, _col_dx_serial, x3.size, x3, dy3, dx4.reshape(nn, p, c * q), m_col, r_col, w, b,
+             mgx, mgxh, rows, tasks, train, code, slope)
+    return sb.sum(axis=0), sa.sum(axis=0)
+
+
 # --------------------------------------------------------------------------- plans and entry points
 
 
@@ -399,8 +580,11 @@ def norm_forward(call):
         rstd[...] = 1.0 / np.sqrt(np.asarray(call.running_var, np.float64) + call.eps)
     var = np.empty((nn, c))
     act_ = call.activation
-    _run(_forward_parallel, _forward_serial, x.size,
-         x4, w, b, y4, mean, rstd, var, cg, s, train, bool(call.center), call.eps, act_.code, act_.slope)
+    if q < COLUMN_MODE_BELOW and s == 1:
+        _columns_forward(x4, w, b, y4, mean, rstd, var, train, bool(call.center), call.eps, act_.code, act_.slope)
+    else:
+        _run(_forward_parallel, _forward_serial, x.size,
+             x4, w, b, y4, mean, rstd, var, cg, s, train, bool(call.center), call.eps, act_.code, act_.slope)
     new_rm = new_rv = None
     if train and call.update_running and x.size > 0:
         new_rm, new_rv = _updated_running(call, mean, var, p * q)
@@ -430,22 +614,27 @@ def norm_backward(residuals, cotangents, needs, out=None):
     if need_x and (dx is None or not dx.flags.c_contiguous):
         dx = np.empty_like(x)
     dx4 = dx.reshape(nn, p, c, q) if need_x else np.empty((1, 1, 1, 1), x.dtype)
-    chunk = max(1, -(-nn // 64))
-    k = -(-nn // chunk) if nn else 1
-    nparams = c * cg
-    dwp = np.zeros((k, nparams))
-    dbp = np.zeros((k, nparams))
     act_ = call.activation
-    _run(_backward_parallel, _backward_serial, x.size,
-         x.reshape(nn, p, c, q), dy.reshape(nn, p, c, q), w, b, dx4, mean, rstd, dwp, dbp, chunk, cg, s,
-         bool(call.use_batch_stats), bool(call.center), need_x, act_.code, act_.slope)
+    train, center = bool(call.use_batch_stats), bool(call.center)
+    if q < COLUMN_MODE_BELOW and s == 1:
+        dw, db = _columns_backward(x.reshape(nn, p, c, q), dy.reshape(nn, p, c, q), dx4, w, b, mean, rstd,
+                                   train, center, need_x, act_.code, act_.slope)
+    else:
+        chunk = max(1, -(-nn // 64))
+        k = -(-nn // chunk) if nn else 1
+        dwp = np.zeros((k, c * cg))
+        dbp = np.zeros((k, c * cg))
+        _run(_backward_parallel, _backward_serial, x.size,
+             x.reshape(nn, p, c, q), dy.reshape(nn, p, c, q), w, b, dx4, mean, rstd, dwp, dbp, chunk, cg, s,
+             train, center, need_x, act_.code, act_.slope)
+        dw, db = dwp.sum(axis=0), dbp.sum(axis=0)
     grads = {}
     if need_x:
         grads["x"] = _into(out, "x", dx)
     if "weight" in needs:
-        grads["weight"] = _into(out, "weight", dwp.sum(axis=0).astype(x.dtype).reshape(call.weight.shape))
+        grads["weight"] = _into(out, "weight", dw.astype(x.dtype).reshape(call.weight.shape))
     if "bias" in needs:
-        grads["bias"] = _into(out, "bias", dbp.sum(axis=0).astype(x.dtype).reshape(call.bias.shape))
+        grads["bias"] = _into(out, "bias", db.astype(x.dtype).reshape(call.bias.shape))
     return grads
 
 

@@ -83,6 +83,36 @@ def test_bitwise_deterministic(op, size):
         assert np.array_equal(first, second)
 
 
+@pytest.mark.parametrize("op", NORMS)
+@pytest.mark.parametrize("channel_axis", [1, -1], ids=["channels_first", "channels_last"])
+def test_parallel_and_serial_paths_agree_bitwise_and_with_the_reference(op, channel_axis, monkeypatch):
+    """Both wrappers run the same tasks in the same order, so the thread count cannot change a bit.
+
+    Channels-last shapes take the column mode (short contiguous runs), channels-first the group mode.
+    """
+    from kernels_cpu import norm
+
+    x = _data((6, 4, 5, 3), np.float64) * 3 + 100.0
+    x = np.ascontiguousarray(np.moveaxis(x, 1, -1)) if channel_axis == -1 else x
+    dy = _data(x.shape, np.float64, seed=1)
+    c = x.shape[-1] if op == "layer_norm" else x.shape[channel_axis]
+    w, b = _data((c,), np.float64, seed=2), _data((c,), np.float64, seed=3)
+    args = (x, 2, w, b) if op == "group_norm" else (x, w, b)
+    kwargs = {} if op == "layer_norm" else {"channel_axis": channel_axis}
+    results = {}
+    for label, threshold in (("serial", 1 << 60), ("parallel", 0)):
+        monkeypatch.setattr(norm, "PARALLEL_MIN_ELEMENTS", threshold)
+        with pnn.use_backend("numba"):
+            y, pullback = pnn.vjp(op, *args, activation="silu", **kwargs)
+            results[label] = (y, *pullback(dy))
+    with pnn.use_backend("reference"):
+        y, pullback = pnn.vjp(op, *args, activation="silu", **kwargs)
+        expected = (y, *pullback(dy))
+    for serial, parallel, ref in zip(results["serial"], results["parallel"], expected):
+        assert np.array_equal(serial, parallel)
+        np.testing.assert_allclose(parallel, ref, rtol=1e-10, atol=1e-10 * np.abs(ref).max())
+
+
 def test_concurrent_calls_from_threads_are_safe():
     x = _data((64, 32, 40))
     w, b = np.ones(32, np.float32), np.zeros(32, np.float32)
