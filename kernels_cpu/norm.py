@@ -461,6 +461,11 @@ def _col_dx_serial(x3, dy3, dx3, m, r, w, b, mgx, mgxh, rows, tasks, train, code
         _col_dx_task(t, x3, dy3, dx3, m, r, w, b, mgx, mgxh, rows, tasks, train, code, slope)
 
 
+def _column_mode(p, q, s):
+    """Column mode pays when groups are made of many short contiguous runs (see above)."""
+    return q < COLUMN_MODE_BELOW and s == 1 and p > 1
+
+
 def _column_plan(nn, p):
     """(row chunks per Nn index, rows per chunk): about _COLUMN_TASKS tasks in all."""
     tasks = max(1, min(p, -(-_COLUMN_TASKS // max(nn, 1))))
@@ -580,7 +585,7 @@ def norm_forward(call):
         rstd[...] = 1.0 / np.sqrt(np.asarray(call.running_var, np.float64) + call.eps)
     var = np.empty((nn, c))
     act_ = call.activation
-    if q < COLUMN_MODE_BELOW and s == 1:
+    if _column_mode(p, q, s):
         _columns_forward(x4, w, b, y4, mean, rstd, var, train, bool(call.center), call.eps, act_.code, act_.slope)
     else:
         _run(_forward_parallel, _forward_serial, x.size,
@@ -616,7 +621,7 @@ def norm_backward(residuals, cotangents, needs, out=None):
     dx4 = dx.reshape(nn, p, c, q) if need_x else np.empty((1, 1, 1, 1), x.dtype)
     act_ = call.activation
     train, center = bool(call.use_batch_stats), bool(call.center)
-    if q < COLUMN_MODE_BELOW and s == 1:
+    if _column_mode(p, q, s):
         dw, db = _columns_backward(x.reshape(nn, p, c, q), dy.reshape(nn, p, c, q), dx4, w, b, mean, rstd,
                                    train, center, need_x, act_.code, act_.slope)
     else:

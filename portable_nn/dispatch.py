@@ -230,7 +230,10 @@ class Implementation:
     origin: str = "builtin"
 
     def forward_fn(self) -> Callable[..., Any]:
-        return _resolve(self.forward)
+        resolved = self.__dict__.get("_forward_resolved")
+        if resolved is None:
+            resolved = self.__dict__["_forward_resolved"] = _resolve(self.forward)
+        return resolved
 
     def backward_fn(self) -> Callable[..., Any] | None:
         if self.backward is None:
@@ -287,6 +290,7 @@ def _add(impl: Implementation) -> None:
         impls = [i for i in _registry.get(impl.op, []) if i.backend != impl.backend]
         impls.append(impl)
         _registry[impl.op] = impls
+        _sorted.clear()
 
 
 def register_builtin(
@@ -350,17 +354,26 @@ def unregister_kernel(op: str, backend: str) -> None:
         _registry[op] = [
             i for i in _registry.get(op, []) if not (i.backend == backend and i.origin == "user")
         ]
+        _sorted.clear()
         if not any(i.backend == backend for impls in _registry.values() for i in impls):
             _extra_backends.pop(backend, None)
             _status_cache.pop(backend, None)
 
 
+#: op -> its implementations in preference order; cleared whenever the registry changes.
+_sorted: dict[str, tuple[Implementation, ...]] = {}
+
+
 def implementations(op: str) -> list[Implementation]:
     """The implementations of ``op``, best first (reference last)."""
-    _load_providers()
-    with _registry_lock:
-        impls = list(_registry.get(op, []))
-    return sorted(impls, key=lambda i: (i.backend == "reference", -i.priority))
+    ordered = _sorted.get(op)
+    if ordered is None:
+        _load_providers()
+        with _registry_lock:
+            impls = list(_registry.get(op, []))
+        ordered = tuple(sorted(impls, key=lambda i: (i.backend == "reference", -i.priority)))
+        _sorted[op] = ordered
+    return list(ordered)
 
 
 def op_names() -> tuple[str, ...]:
@@ -581,7 +594,8 @@ class Bridge:
         return _arrays.from_numpy_like(value, self.family)
 
 
-def _bridge_call(call: Call, selection: Selection, bridge: Bridge) -> Call:
+def _bridge_call(call: Call, selection: Selection, bridge: Bridge, save: bool) -> Call:
+    """The call as the implementation gets it: copies made, arrays bridged, ``save`` set."""
     arrays = dict(call.arrays)
     for name in selection.copies:
         arrays[name] = _arrays.ascontiguous(arrays[name])
@@ -589,8 +603,8 @@ def _bridge_call(call: Call, selection: Selection, bridge: Bridge) -> Call:
         import array_api_compat.numpy as np_xp
 
         arrays = {k: bridge.inward(v) for k, v in arrays.items()}
-        return call.replace(arrays=arrays, xp=np_xp, family="numpy")
-    return call.replace(arrays=arrays)
+        return call.replace(arrays=arrays, xp=np_xp, family="numpy", save=save)
+    return call.replace(arrays=arrays, save=save)
 
 
 class _NoGrad:
@@ -638,7 +652,7 @@ def run(call: Call, need_backward: bool = False) -> Executed:
     selection = select(call, need_backward)
     impl = selection.impl
     bridge = Bridge(call.family, impl.supports.native)
-    inner = _bridge_call(call, selection, bridge).replace(save=need_backward)
+    inner = _bridge_call(call, selection, bridge, need_backward)
     with _NoGrad(call.family):
         outputs, residuals = impl.forward_fn()(inner)
     return Executed(bridge.outward(tuple(outputs)), residuals, impl, bridge, call.family)
