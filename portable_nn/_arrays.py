@@ -76,8 +76,16 @@ def device_kind(device: str) -> str:
     return device.split(":")[0].split("(")[0].strip() or device
 
 
+_NUMPY_NAMES: dict[Any, str] = {}
+
+
 def dtype_name(xp: Any, dtype: Any) -> str:
     """The array-API name of ``dtype`` (``"float32"``, ``"int64"``, …)."""
+    if isinstance(dtype, np.dtype):  # NumPy's names are the standard's (dtype.name is slow Python code)
+        name = _NUMPY_NAMES.get(dtype)
+        if name is None:
+            name = _NUMPY_NAMES[dtype] = dtype.name
+        return name
     for name in (
         "float32", "float64", "float16", "bfloat16", "bool",
         "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",

@@ -290,7 +290,7 @@ def _add(impl: Implementation) -> None:
         impls = [i for i in _registry.get(impl.op, []) if i.backend != impl.backend]
         impls.append(impl)
         _registry[impl.op] = impls
-        _sorted.clear()
+        _forget_choices()
 
 
 def register_builtin(
@@ -354,7 +354,7 @@ def unregister_kernel(op: str, backend: str) -> None:
         _registry[op] = [
             i for i in _registry.get(op, []) if not (i.backend == backend and i.origin == "user")
         ]
-        _sorted.clear()
+        _forget_choices()
         if not any(i.backend == backend for impls in _registry.values() for i in impls):
             _extra_backends.pop(backend, None)
             _status_cache.pop(backend, None)
@@ -362,6 +362,13 @@ def unregister_kernel(op: str, backend: str) -> None:
 
 #: op -> its implementations in preference order; cleared whenever the registry changes.
 _sorted: dict[str, tuple[Implementation, ...]] = {}
+#: Selections that depend only on the call's signature (see select); cleared with _sorted.
+_choices: dict[tuple, tuple[Implementation, tuple[tuple[str, str], ...], bool]] = {}
+
+
+def _forget_choices() -> None:
+    _sorted.clear()
+    _choices.clear()
 
 
 def implementations(op: str) -> list[Implementation]:
@@ -512,19 +519,35 @@ def _candidate_reason(impl: Implementation, call: Call, need_backward: bool) -> 
 def select(call: Call, need_backward: bool = False, report: bool = True) -> Selection:
     """Choose the implementation for ``call`` under the current configuration.
 
-    ``report=False`` skips the warning/error of ``set_fallback`` (for ``explain``).
+    ``report=False`` skips the warning/error of ``set_fallback`` (for ``explain``).  A choice that
+    depends only on the call's signature (op, requested backend, family, device, dtype, layout,
+    mixed precision, backward needed: no ``Support.check`` predicate consulted) is remembered,
+    so hot loops of small calls do not re-run the candidate checks.
     """
     requested, source = config.get_backend(call.op)
+    key = (call.op, requested, call.family, call.device, call.dtype, call.layout,
+           bool(call.params.get("mixed_precision")), need_backward)
+    known = _choices.get(key)
+    if known is not None:
+        impl, passed, fallback = known
+        if fallback and report:
+            _report_fallback(call, impl, list(passed))
+        return Selection(impl, requested, source, _copies_needed(impl, call), list(passed), fallback)
     impls = implementations(call.op)
     if requested != "auto":
-        return _select_forced(call, impls, requested, source, need_backward)
+        selection = _select_forced(call, impls, requested, source, need_backward)
+        if selection.impl.supports.check is None:
+            _choices[key] = (selection.impl, (), False)
+        return selection
     passed: list[tuple[str, str]] = []
     fallback = False
-    for impl in impls:
+    for k, impl in enumerate(impls):
         reason, targeted = _candidate_reason(impl, call, need_backward)
         if reason is None:
             if fallback and report:
                 _report_fallback(call, impl, passed)
+            if all(i.supports.check is None for i in impls[: k + 1]):
+                _choices[key] = (impl, tuple(passed), fallback)
             return Selection(impl, requested, source, _copies_needed(impl, call), passed, fallback)
         passed.append((impl.backend, reason))
         fallback = fallback or targeted

@@ -116,6 +116,30 @@ def test_forward_only_kernel_is_passed_over_by_vjp():
         pnn.unregister_kernel("rms_norm", "fwd_only")
 
 
+def test_remembered_choices_follow_registrations_predicates_and_fallback_mode():
+    """Selections are remembered per call signature; nothing that changes the answer is missed."""
+    x = _x()
+    pnn.layer_norm(x)  # remembered: the best kernel for numpy float64
+    odd = pnn.Support(check=lambda call: "declines odd widths" if call.x.shape[-1] % 2 else None)
+    pnn.register_kernel("layer_norm", "fresh", forward=lambda call: ((call.x * 0,), None), supports=odd,
+                        priority=100)
+    try:
+        assert np.all(pnn.layer_norm(_x((3, 4))) == 0)  # a new registration is seen at once
+        report = pnn.explain(pnn.layer_norm, _x((3, 5)))  # a predicate is consulted per call
+        assert report.backend != "fresh" and report.fallback
+        pnn.set_fallback("warn")
+        for _ in range(2):  # every fallback warns, not just the first one
+            with pytest.warns(pnn.FallbackWarning, match="declines odd widths"):
+                pnn.layer_norm(_x((3, 5)))
+    finally:
+        pnn.unregister_kernel("layer_norm", "fresh")
+    assert pnn.explain(pnn.layer_norm, _x((3, 4))).backend != "fresh"
+    if pnn.available_backends()["numba"]:  # a remembered fallback (numba declines float16) still warns
+        for _ in range(2):
+            with pytest.warns(pnn.FallbackWarning, match="float16"):
+                pnn.layer_norm(_x((3, 4)).astype(np.float16))
+
+
 def test_register_kernel_rejects_bad_arguments():
     with pytest.raises(ValueError, match="unknown op"):
         pnn.register_kernel("softmax9", "x", forward=lambda c: c)
