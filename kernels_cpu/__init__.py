@@ -36,12 +36,83 @@ for _op in ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm
         priority=NUMBA_PRIORITY,
     )
 
-# <rnn registrations>
+for _op, _kind in (("rnn_cell", "cell"), ("lstm_cell", "cell"), ("gru_cell", "cell"),
+                   ("rnn", "sequence"), ("lstm", "sequence"), ("gru", "sequence")):
+    register_builtin(
+        _op,
+        "numba",
+        forward=f"kernels_cpu.rnn:{_kind}_forward",
+        backward=f"kernels_cpu.rnn:{_kind}_backward",
+        supports=Support(
+            description="every argument (both GRU forms, stacked, bidirectional, batch_first, lengths)",
+            **CPU_SUPPORT,
+        ),
+        priority=NUMBA_PRIORITY,
+    )
 
-# <conv registrations>
+register_builtin(
+    "conv",
+    "numba",
+    forward="kernels_cpu.conv:conv_forward",
+    backward="kernels_cpu.conv:conv_backward",
+    supports=Support(
+        layouts=("channels_first", "channels_last"),
+        description="1-3-D, batched or not, every stride/padding/dilation/groups (depthwise included)",
+        **CPU_SUPPORT,
+    ),
+    priority=NUMBA_PRIORITY,
+)
 
-# <dense registrations>
+register_builtin(
+    "dense",
+    "numba",
+    forward="kernels_cpu.dense:dense_forward",
+    backward="kernels_cpu.dense:dense_backward",
+    supports=Support(description="any leading shape (1-D x and zero rows included)", **CPU_SUPPORT),
+    priority=NUMBA_PRIORITY,
+)
 
-# <pool registrations>
 
-# <loss registrations>
+def _pool_check(call):
+    """The argmax is kept as an int32 flat position within a plane."""
+    positions = 1
+    for size in call.in_size:
+        positions *= size
+    return None if positions < 2**31 else "keeps int32 argmax positions: planes of 2**31 positions or more"
+
+
+for _op in ("max_pool", "avg_pool"):
+    register_builtin(
+        _op,
+        "numba",
+        forward="kernels_cpu.pool:pool_forward",
+        backward="kernels_cpu.pool:pool_backward",
+        supports=Support(
+            layouts=("channels_first", "channels_last"),
+            check=_pool_check,
+            description="1-3-D, batched or not, every stride/padding/dilation/ceil_mode",
+            **CPU_SUPPORT,
+        ),
+        priority=NUMBA_PRIORITY,
+    )
+
+
+def _loss_check(call):
+    """ignore_index travels as an int64."""
+    ignore = call.params.get("ignore_index", 0)
+    return None if -(2**63) <= ignore < 2**63 else f"takes an int64 ignore_index, not {ignore}"
+
+
+for _op in ("log_softmax", "cross_entropy"):
+    register_builtin(
+        _op,
+        "numba",
+        forward=f"kernels_cpu.loss:{_op}_forward",
+        backward=f"kernels_cpu.loss:{_op}_backward",
+        supports=Support(
+            check=_loss_check,
+            description="any class axis; integer or probability targets, weights, ignore_index, smoothing",
+            **CPU_SUPPORT,
+        ),
+        priority=NUMBA_PRIORITY,
+    )

@@ -803,8 +803,10 @@ def test_lengths_as_arrays(lib: str) -> None:
 
 def test_explain_names_the_implementation() -> None:
     a, _ = _lstm_setup()
-    text = str(pnn.explain(lstm, a["x"], a["params"], bidirectional=True))
-    assert "lstm[reference]" in text
+    report = pnn.explain(lstm, a["x"], a["params"], bidirectional=True)
+    assert f"lstm[{report.backend}]" in str(report)
+    with pnn.use_backend("reference"):
+        assert "lstm[reference]" in str(pnn.explain(lstm, a["x"], a["params"], bidirectional=True))
 
 
 # --------------------------------------------------------------------------- validation

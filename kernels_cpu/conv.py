@@ -1,0 +1,620 @@
+"""Numba kernels for convolution, forward and backward (backend ``"numba"``).
+
+Supported: everything the api accepts for NumPy (and CPU torch) float32/float64 C-contiguous
+data — 1-, 2- and 3-D, any stride, dilation, int/per-axis/(low, high)/"same"/"valid" padding,
+groups (depthwise included), channels first and channels last, unbatched input, every fused
+activation.  One canonical form serves all of it: spatial axes are padded on the left to three
+``(D, H, W)``, an unbatched input is a batch of one, and the input is zero-padded once per call
+(no copy when there is no padding).
+
+With ``G`` groups of ``Cg = C/G`` input and ``Og = O/G`` output channels, ``K`` kernel taps and
+``Q`` output positions of a stretch ("chunk") of the batch, each group is one BLAS product
+(``np.dot`` inside ``@njit`` on contiguous 2-D blocks) over a position-major im2col buffer::
+
+    cols[q, j] = x_padded[the element that column j = (channel c, tap t) meets at position q]
+    Z (Q, Og)  = cols (Q, Cg·K) @ W[g]ᵀ                      W[g] = weight as (Og, Cg·K)
+    y          = act(Z + bias)                               (the epilogue, one pass)
+
+Columns run (c, t) for channels first — the weight's own order — and (t, c) for channels last
+(the weight is permuted once, a small copy), so the channels-last gather copies contiguous
+channel runs.  ``Z`` is tall and narrow on purpose: that is the orientation in which this BLAS
+is fastest for these shapes (about twice the throughput of ``W @ colsᵀ`` measured).
+
+Why chunks rather than one im2col of the whole batch: LeNet-sized layers have few channels, so
+``cols`` is 10-25 times larger than ``x``; writing it to memory and reading it back (in the
+forward, and again for the weight gradient) would cost more than the products.  A chunk's
+``cols`` (≤ ``CHUNK_ELEMENTS``, ~128 KB) is written, multiplied and discarded while in cache;
+the epilogue reads ``Z`` from cache; chunks run as parallel tasks, each product kept below
+OpenBLAS's threading threshold (``CHUNK_MACS``) so concurrent products neither oversubscribe
+the cores nor queue on OpenBLAS's thread server.  Nothing of ``cols`` is kept for the backward
+(residuals: the padded input — ``x`` itself without padding —, the weight matrix, and ``y``
+or, for gelu/silu/..., the pre-activation ``z``): recomputing a chunk's ``cols`` costs less
+than a whole-batch buffer would in memory.
+
+Forward chunks are stretches of output *lines* (the ``W`` positions of one ``(n, d, h)``), so
+one large image still splits into parallel tasks.  Backward chunks are whole images, with
+``g = dy · act'`` (from ``y`` when the activation allows, else from ``z``)::
+
+    g         = dy · act'(kept)  and  dbias += Σ g   (one pass over dy, sums in float64)
+    dW[chunk] = gᵀ @ cols                            (per-chunk partials, summed in chunk order)
+    dcols     = g @ W[g]
+    dx        = col2im(dcols)                        (scatter-add into the padded dx; whole
+                                                      images per chunk: no two tasks write
+                                                      the same element)
+
+Chunking depends on the shape only and partial sums are reduced in chunk order, so results
+are bitwise identical for any thread count (serial and parallel paths included).  Limits:
+a backward chunk is at least one image, so one very large image runs its backward as one
+task with a whole-image im2col buffer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from portable_nn.reference.activations import keeps_output_only
+
+from . import _runtime
+from .activations import act, act_grad
+
+LANES = 16
+_OPTS = {"cache": True, "error_model": "numpy", "nogil": True}
+# Below this many multiply-adds the thread pool costs more than it saves (PERFORMANCE.md §6).
+PARALLEL_MIN_MACS = 1 << 21
+# A chunk's product has fewer multiply-adds than this per group: OpenBLAS runs a product on one
+# thread below 2·4·65536 (two threads' worth of its GEMM_MULTITHREAD_THRESHOLD), so products
+# issued from parallel tasks never contend for its thread server.
+CHUNK_MACS = (1 << 19) - 1
+# ... and its im2col buffer at most this many elements (it stays in L2).
+CHUNK_ELEMENTS = 1 << 15
+
+
+# --------------------------------------------------------------------------- layout of the work
+#
+# Arrays reach the kernels flat.  The input is zero-padded once per call into ``xp`` (no copy
+# when there is no padding), so every tap reads inside it and one table serves every output
+# line: for output line (n, od, oh) of group g, the im2col row block of that line is
+#
+#     cols[(ln − l0)·OW + ow, j] = xp[base(n, od, oh) + g·gstep + omap[ow·width + j]]
+#
+# with ``omap`` (OW·width offsets, made once per call) encoding kernel size, stride, dilation
+# and layout.  A line's gather is thus one flat loop of OW·width elements: per-row work on
+# 8-element rows (LeNet's second layer) cost more than the rows themselves, and integer
+# division (~4 ns here) appears in no loop.  ``lg`` = [OD, OH, OW, stride_d·step_d,
+# stride_h·step_h, padded image size, gstep] locates the lines; ``yst`` are the element
+# strides of the (n, o, p) output (p the flat output position), so one loop nest writes
+# either layout.
+
+
+@njit(inline="always", **_OPTS)
+def _line(ln, lg):
+    """(n, od, oh) of output line ln (lines are the batch's (n, d, h), row-major)."""
+    per_image = lg[0] * lg[1]
+    n = ln // per_image
+    r = ln - n * per_image
+    od = r // lg[1]
+    return n, od, r - od * lg[1]
+
+
+@njit(inline="always", **_OPTS)
+def _next_line(n, od, oh, lg):
+    oh += 1
+    if oh == lg[1]:
+        oh = 0
+        od += 1
+        if od == lg[0]:
+            od = 0
+            n += 1
+    return n, od, oh
+
+
+@njit(inline="always", **_OPTS)
+def _base(n, od, oh, lg):
+    return n * lg[5] + od * lg[3] + oh * lg[4]
+
+
+# --------------------------------------------------------------------------- im2col / col2im
+
+
+@njit(**_OPTS)
+def _im2col(xp, cols, omap, lg, g, l0, l1):
+    """cols (flat (Q, width)) = the im2col rows of output lines [l0, l1), group g."""
+    row = omap.shape[0]
+    n, od, oh = _line(l0, lg)
+    for k in range(l1 - l0):
+        base = _base(n, od, oh, lg) + g * lg[6]
+        dst = cols[k * row : (k + 1) * row]
+        for j in range(row):
+            dst[j] = xp[base + omap[j]]
+        n, od, oh = _next_line(n, od, oh, lg)
+
+
+@njit(**_OPTS)
+def _col2im(dcols, dxp, omap, lg, g, l0, l1):
+    """dxp += the column gradient dcols (flat (Q, width)) of lines [l0, l1), where its taps read.
+    In order: overlapping taps add into the same element one after the other."""
+    row = omap.shape[0]
+    n, od, oh = _line(l0, lg)
+    for k in range(l1 - l0):
+        base = _base(n, od, oh, lg) + g * lg[6]
+        src = dcols[k * row : (k + 1) * row]
+        for j in range(row):
+            dxp[base + omap[j]] += src[j]
+        n, od, oh = _next_line(n, od, oh, lg)
+
+
+# --------------------------------------------------------------------------- epilogues (bias, activation, act')
+#
+# A loop calling act(v, code, slope) with a runtime code is neither unswitched nor vectorised
+# by LLVM: relu then branches on the data's sign and mispredicts half the time (35x slower
+# measured).  So the loop nests take a *kind*, passed as a literal by the entry points: 0
+# identity, 1 rectifier (relu, or leaky_relu: max-like selects once the literal is folded; relu
+# is the slope-0 case), 2 any other activation, whose libm calls dominate anyway and which goes
+# through one called (not inlined) function, so that every activation's code is compiled once
+# rather than into each loop nest.  Three copies of each loop nest, not one per activation,
+# keeps the compile time down.
+
+
+@njit(**_OPTS)
+def _act_any(v, code, slope):
+    return act(v, code, slope)
+
+
+@njit(**_OPTS)
+def _dact_any(v, code, slope, from_output):
+    """act' at an element, from the output y (``from_output``) or from the pre-activation z."""
+    if code == 0:
+        return 1.0
+    if from_output:
+        if code == 1:
+            return 1.0 if v > 0.0 else 0.0
+        if code == 2:
+            return v * (1.0 - v)
+        if code == 3:
+            return 1.0 - v * v
+        return 1.0 if v > 0.0 else slope
+    return act_grad(v, code, slope)
+
+
+@njit(inline="always", **_OPTS)
+def apply_kind(v, kind, code, slope):
+    """act(v) for a loop of the given kind (see above); kind 1 takes the rectifier's slope."""
+    if kind == 0:
+        return v
+    if kind == 1:
+        return v if v > 0.0 else slope * v
+    return _act_any(v, code, slope)
+
+
+@njit(inline="always", **_OPTS)
+def deriv_kind(v, kind, code, slope, from_output):
+    """act'(v) for a loop of the given kind; kind 1 reads it from the output y."""
+    if kind == 0:
+        return 1.0
+    if kind == 1:
+        return 1.0 if v > 0.0 else slope
+    return _dact_any(v, code, slope, from_output)
+
+
+@njit(inline="always", **_OPTS)
+def rectifier_slope(code, slope):
+    """The negative-side slope of relu (0) or leaky_relu."""
+    return 0.0 if code == 1 else slope
+
+
+@njit(inline="always", **_OPTS)
+def _epilogue_loops(z, b, yf, yst, lg, g, l0, l1, last, kind, code, slope):
+    og = z.shape[1]
+    ow_n = lg[2]
+    per = lg[0] * lg[1]
+    n_first = l0 // per
+    r_first = l0 - n_first * per
+    bg = b[g * og : (g + 1) * og]
+    if last:
+        n, r, q = n_first, r_first, 0
+        for _ in range(l0, l1):
+            for ow in range(ow_n):
+                at = n * yst[0] + (r * ow_n + ow) * yst[2] + g * og
+                for o in range(og):
+                    yf[at + o] = apply_kind(np.float64(z[q, o] + bg[o]), kind, code, slope)
+                q += 1
+            r += 1
+            if r == per:
+                r = 0
+                n += 1
+        return
+    for o in range(og):
+        bo = bg[o]
+        zc = z[:, o]
+        n, r, q = n_first, r_first, 0
+        for _ in range(l0, l1):
+            at = n * yst[0] + (g * og + o) * yst[1] + r * ow_n
+            for ow in range(ow_n):
+                yf[at + ow] = apply_kind(np.float64(zc[q + ow] + bo), kind, code, slope)
+            q += ow_n
+            r += 1
+            if r == per:
+                r = 0
+                n += 1
+
+
+@njit(**_OPTS)
+def _epilogue(z, b, yf, yst, lg, g, l0, l1, last, code, slope):
+    """Group g's output channels of lines [l0, l1): y = act(Z + bias), Z (Q, Og) the chunk's product.
+    Channels first writes runs along the positions (reading a column of Z, in cache)."""
+    if code == 0:
+        _epilogue_loops(z, b, yf, yst, lg, g, l0, l1, last, 0, code, slope)
+    elif code == 1 or code == 7:
+        _epilogue_loops(z, b, yf, yst, lg, g, l0, l1, last, 1, code, rectifier_slope(code, slope))
+    else:
+        _epilogue_loops(z, b, yf, yst, lg, g, l0, l1, last, 2, code, slope)
+
+
+@njit(inline="always", **_OPTS)
+def _grad_values(dyf, kf, yst, gm, n0, n1, last, kind, code, slope, from_output):
+    """gm = dy · act'(kept) for images [n0, n1): (G, Og, Q) channels first, (G, Q, Og) channels last."""
+    groups = gm.shape[0]
+    if last:
+        og = gm.shape[2]
+        p_n = gm.shape[1] // max(1, n1 - n0)
+        qi = 0
+        for n in range(n0, n1):
+            for p in range(p_n):
+                at = n * yst[0] + p * yst[2]
+                for g in range(groups):
+                    dst = gm[g, qi]
+                    d = dyf[at + g * og : at + (g + 1) * og]
+                    kv = kf[at + g * og : at + (g + 1) * og]
+                    for o in range(og):
+                        dst[o] = d[o] * deriv_kind(np.float64(kv[o]), kind, code, slope, from_output)
+                qi += 1
+        return
+    og = gm.shape[1]
+    p_n = gm.shape[2] // max(1, n1 - n0)
+    for g in range(groups):
+        for o in range(og):
+            row = gm[g, o]
+            for n in range(n0, n1):
+                at = n * yst[0] + (g * og + o) * yst[1]
+                d = dyf[at : at + p_n]
+                kv = kf[at : at + p_n]
+                dst = row[(n - n0) * p_n : (n - n0 + 1) * p_n]
+                for j in range(p_n):
+                    dst[j] = d[j] * deriv_kind(np.float64(kv[j]), kind, code, slope, from_output)
+
+
+@njit(**_OPTS)
+def _bias_sums(gm, dbk, last):
+    """dbk[o] += Σ of channel o of gm, in float64, in a fixed order: channels first along each
+    row in lanes; channels last position by position (vectorised across channels)."""
+    groups = gm.shape[0]
+    if last:
+        og = gm.shape[2]
+        for g in range(groups):
+            db = dbk[g * og : (g + 1) * og]
+            for q in range(gm.shape[1]):
+                src = gm[g, q]
+                for o in range(og):
+                    db[o] += src[o]
+        return
+    og, q_n = gm.shape[1], gm.shape[2]
+    qv = q_n - q_n % LANES
+    lanes = np.zeros(LANES)
+    for g in range(groups):
+        for o in range(og):
+            row = gm[g, o]
+            lanes[:] = 0.0
+            for j0 in range(0, qv, LANES):
+                for lane in range(LANES):
+                    lanes[lane] += row[j0 + lane]
+            for j in range(qv, q_n):
+                lanes[0] += row[j]
+            dbk[g * og + o] += lanes.sum()
+
+
+@njit(**_OPTS)
+def _grad(dyf, kf, yst, gm, dbk, n0, n1, last, code, slope, from_output):
+    """g = dy · act'(kept) for images [n0, n1) into gm — (G, Og, Q) channels first, (G, Q, Og)
+    channels last, the order dy is read in — then dbk[o] += Σ g over the chunk, read back while
+    gm is in cache (a separate loop: stores and running sums in one loop serialise each other)."""
+    if code == 0:
+        _grad_values(dyf, kf, yst, gm, n0, n1, last, 0, code, slope, from_output)
+    elif (code == 1 or code == 7) and from_output:
+        _grad_values(dyf, kf, yst, gm, n0, n1, last, 1, code, rectifier_slope(code, slope), from_output)
+    else:
+        _grad_values(dyf, kf, yst, gm, n0, n1, last, 2, code, slope, from_output)
+    _bias_sums(gm, dbk, last)
+
+
+# --------------------------------------------------------------------------- chunks and drivers
+
+
+@njit(**_OPTS)
+def _forward_chunk(xp, omap, lg, w3, b, yf, zf, yst, last, l0, l1, code, slope, keep_z):
+    """Output lines [l0, l1): per group, im2col, Z = cols @ Wᵀ (tall and narrow: BLAS's fast
+    orientation here), then the epilogue (and the pre-activation, when it is kept)."""
+    groups, og, width = w3.shape
+    q = (l1 - l0) * lg[2]
+    buf = np.empty(q * width, xp.dtype)
+    cols = buf.reshape((q, width))
+    z = np.empty((q, og), xp.dtype)
+    for g in range(groups):
+        _im2col(xp, buf, omap, lg, g, l0, l1)
+        np.dot(cols, w3[g].T, z)
+        _epilogue(z, b, yf, yst, lg, g, l0, l1, last, code, slope)
+        if keep_z:  # the pre-activation: the identity's code, as a typed int (a literal 0 compiles anew)
+            _epilogue(z, b, zf, yst, lg, g, l0, l1, last, np.int64(0), slope)
+
+
+@njit(**_OPTS)
+def _backward_chunk(xp, omap, lg, w3, dyf, kf, yst, dxp, dwp, dbp, last, k, n0, n1, code, slope, from_output,
+                    need_x, need_w):
+    """Images [n0, n1): g and its bias sum, the partial weight gradient dwp[k] = gᵀ @ cols per group,
+    and dx: dcols = g @ W scattered back (col2im) into the padded dx."""
+    groups, og, width = w3.shape
+    per = lg[0] * lg[1]
+    l0 = n0 * per
+    l1 = n1 * per
+    q = (l1 - l0) * lg[2]
+    gm = np.empty((groups, q, og) if last else (groups, og, q), xp.dtype)
+    _grad(dyf, kf, yst, gm, dbp[k], n0, n1, last, code, slope, from_output)
+    buf = np.empty(q * width if need_x or need_w else 0, xp.dtype)
+    cols = buf.reshape((q if need_x or need_w else 0, width))
+    if need_x:
+        dxp[n0 * lg[5] : n1 * lg[5]] = 0.0
+    for g in range(groups):
+        if need_w:
+            _im2col(xp, buf, omap, lg, g, l0, l1)
+            if last:
+                np.dot(gm[g].T, cols, dwp[k, g])
+            else:
+                np.dot(gm[g], cols, dwp[k, g])
+        if need_x:
+            if last:
+                np.dot(gm[g], w3[g], cols)
+            else:
+                np.dot(gm[g].T, w3[g], cols)
+            _col2im(buf, dxp, omap, lg, g, l0, l1)
+
+
+@njit(inline="always", **_OPTS)
+def _chunk(backward, k, count, step, xp, omap, lg, w3, b, yf, zf, yst, dxp, dwp, dbp, last, code, slope, keep_z,
+           from_output, need_x, need_w):
+    """Chunk k: output lines (forward) or images (backward) [k·step, min(count, (k + 1)·step)).
+    In the backward, yf and zf carry dy and the kept y or z."""
+    start = k * step
+    stop = min(count, start + step)
+    if backward:
+        _backward_chunk(xp, omap, lg, w3, yf, zf, yst, dxp, dwp, dbp, last, k, start, stop, code, slope,
+                        from_output, need_x, need_w)
+    else:
+        _forward_chunk(xp, omap, lg, w3, b, yf, zf, yst, last, start, stop, code, slope, keep_z)
+
+
+# One driver for both passes, serial and parallel: each driver compiled is a few seconds of CI.
+
+
+@njit(parallel=True, **_OPTS)
+def _parallel(backward, count, step, xp, omap, lg, w3, b, yf, zf, yst, dxp, dwp, dbp, last, code, slope, keep_z,
+              from_output, need_x, need_w):
+    for t in prange((count + step - 1) // step):
+        k = np.int64(t)  # prange indices are unsigned: keep the chunks' signatures the serial ones
+        _chunk(backward, k, count, step, xp, omap, lg, w3, b, yf, zf, yst, dxp, dwp, dbp, last, code, slope, keep_z,
+               from_output, need_x, need_w)
+
+
+@njit(**_OPTS)
+def _serial(backward, count, step, xp, omap, lg, w3, b, yf, zf, yst, dxp, dwp, dbp, last, code, slope, keep_z,
+            from_output, need_x, need_w):
+    for k in range((count + step - 1) // step):
+        _chunk(backward, k, count, step, xp, omap, lg, w3, b, yf, zf, yst, dxp, dwp, dbp, last, code, slope, keep_z,
+               from_output, need_x, need_w)
+
+
+# --------------------------------------------------------------------------- plans and entry points
+
+
+class _Plan:
+    """The canonical form of one call: padded input, offset map, line geometry, chunking."""
+
+    __slots__ = (
+        "groups",
+        "images",
+        "interior",
+        "last",
+        "lg",
+        "lines",
+        "macs",
+        "n",
+        "o",
+        "omap",
+        "out_shape",
+        "padded",
+        "padded_shape",
+        "taps",
+        "width",
+        "x_shape",
+        "yst",
+    )
+
+    def __init__(self, call, weight_shape):
+        d = len(call.kernel)
+        one, zero = (1,) * (3 - d), (0,) * (3 - d)
+        kernel, stride, dil = one + tuple(call.kernel), one + tuple(call.stride), one + tuple(call.dilation)
+        lo, hi = zero + tuple(call.pad_lo), zero + tuple(call.pad_hi)
+        size, out = one + tuple(call.in_size), one + tuple(call.out_size)
+        x_shape = self.x_shape = tuple(int(s) for s in call.x.shape)
+        self.last = last = call.layout == "channels_last"
+        self.n = n = x_shape[0] if call.batched else 1
+        channels = x_shape[-1] if last else x_shape[1 if call.batched else 0]
+        self.o = o = int(weight_shape[0])
+        self.groups = groups = int(call.groups)
+        self.taps = taps = math.prod(kernel)
+        cg = int(weight_shape[1])
+        self.width = width = cg * taps
+        og = o // groups
+        # The zero-padded input (N, C, Dp, Hp, Wp) or (N, Dp, Hp, Wp, C), and where x sits in it.
+        sp = tuple(s + a + b for s, a, b in zip(size, lo, hi))
+        self.padded = any(lo) or any(hi)
+        self.padded_shape = (n, *sp, channels) if last else (n, channels, *sp)
+        inner = tuple(slice(a, a + s) for a, s in zip(lo, size))
+        self.interior = (slice(None), *inner, slice(None)) if last else (slice(None), slice(None), *inner)
+        plane = sp[0] * sp[1] * sp[2]
+        if last:
+            pc, pd, ph, pw = 1, sp[1] * sp[2] * channels, sp[2] * channels, channels
+        else:
+            pc, pd, ph, pw = plane, sp[1] * sp[2], sp[2], 1
+        self.lg = np.array([out[0], out[1], out[2], stride[0] * pd, stride[1] * ph, plane * channels, cg * pc],
+                           dtype=np.int64)
+        self.omap = _offset_map(kernel, stride, dil, out[2], cg, last, (pc, pd, ph, pw))
+        positions = math.prod(out)
+        self.yst = np.array((positions * o, 1, o) if last else (o * positions, positions, 1), dtype=np.int64)
+        out_sp = tuple(call.out_size)
+        shape = (*out_sp, o) if last else (o, *out_sp)
+        self.out_shape = (n, *shape) if call.batched else shape
+        self.macs = n * positions * o * width
+        # Chunk sizes (see the module docstring): bounded im2col buffer and single-threaded BLAS products.
+        line = max(1, width * out[2])  # (no channels: width 0)
+        self.lines = max(1, min(CHUNK_ELEMENTS // line, CHUNK_MACS // max(1, og * line)))
+        image = max(1, width * positions)
+        self.images = max(1, min(CHUNK_ELEMENTS // image, CHUNK_MACS // max(1, og * image)))
+
+
+_PLANS: dict = {}
+_PLANS_KEPT = 64
+
+
+def _plan(call, weight_shape):
+    """The call's plan, cached by geometry: building one costs ~0.1 ms, which small layers notice."""
+    p = call.params
+    key = (tuple(call.arrays["x"].shape), tuple(weight_shape), call.layout, p["batched"], p["kernel"], p["stride"],
+           p["dilation"], p["pad_lo"], p["pad_hi"], p["groups"], CHUNK_ELEMENTS, CHUNK_MACS)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _PLANS_KEPT:
+            _PLANS.clear()
+        plan = _PLANS[key] = _Plan(call, weight_shape)
+    return plan
+
+
+def _offset_map(kernel, stride, dil, ow_n, cg, last, strides):
+    """omap[ow·width + column]: offset, from a line's base, of the padded input element that
+    column (channel c, tap t) meets at output column ow.  Columns run (c, t) channels first —
+    weight's own order — and (t, c) channels last, where channels are contiguous."""
+    pc, pd, ph, pw = strides
+    td, th, tw = (a.reshape(-1) for a in np.meshgrid(*(np.arange(k) for k in kernel), indexing="ij"))
+    tap = td * dil[0] * pd + th * dil[1] * ph + tw * dil[2] * pw  # (K,)
+    chan = np.arange(cg) * pc
+    col = (tap[:, None] + chan[None, :]) if last else (chan[:, None] + tap[None, :])
+    return (np.arange(ow_n)[:, None] * (stride[2] * pw) + col.reshape(1, -1)).reshape(-1).astype(np.int64)
+
+
+def _weight_matrix(weight, plan):
+    """weight (O, Cg, *k) as (G, Og, Cg·K), or for channels last (G, Og, K·Cg) (taps before channels)."""
+    o, groups = plan.o, plan.groups
+    w = weight.reshape(o, plan.width // plan.taps, plan.taps)
+    if plan.last:
+        w = np.ascontiguousarray(w.transpose(0, 2, 1))
+    return w.reshape(groups, o // groups, plan.width)
+
+
+def _run(plan, *args):
+    """The serial driver below PARALLEL_MIN_MACS, else the parallel one under the threading policy."""
+    if plan.macs < PARALLEL_MIN_MACS:
+        _serial(*args)
+        return
+    with _runtime.parallel_section():
+        _parallel(*args)
+
+
+def _padded_input(x, plan):
+    """x zero-padded to plan.padded_shape (x itself, reshaped, when there is no padding)."""
+    if not plan.padded:
+        return x.reshape(plan.padded_shape)
+    xp = np.zeros(plan.padded_shape, x.dtype)
+    xp[plan.interior] = x.reshape(xp[plan.interior].shape)
+    return xp
+
+
+def conv_forward(call):
+    """y = act(conv(x, weight) + bias); residuals (padded x, weight matrix, kept y or z, plan, call)."""
+    x, weight = call.x, call.weight
+    plan = _plan(call, weight.shape)
+    dtype = x.dtype
+    xp = _padded_input(x, plan)
+    w3 = _weight_matrix(weight, plan)
+    b = np.zeros(plan.o, dtype) if call.bias is None else call.bias
+    act_ = call.activation
+    from_output = keeps_output_only(act_)
+    keep_z = bool(call.save) and not from_output
+    y = np.empty(plan.out_shape, dtype)
+    z = np.empty(plan.out_shape, dtype) if keep_z else None
+    zf = z.reshape(-1) if keep_z else np.empty(0, dtype)
+    if plan.n:
+        _run(plan, False, plan.n * int(plan.lg[0] * plan.lg[1]), plan.lines, xp.reshape(-1), plan.omap, plan.lg, w3,
+             b, y.reshape(-1), zf, plan.yst, np.empty(0, dtype), np.empty((0, 0, 0, 0), dtype), np.empty((0, 0)),
+             plan.last, act_.code, act_.slope, keep_z, from_output, False, False)
+    residuals = None
+    if call.save:
+        kept = None if act_.is_identity else (y if from_output else z)
+        residuals = (xp, w3, kept, plan, call.replace(arrays={}))
+    return (y,), residuals
+
+
+def conv_backward(residuals, cotangents, needs, out=None):
+    """dx, dweight, dbias from one pass per image chunk (see the module docstring)."""
+    xp, w3, kept, plan, call = residuals
+    out = out or {}
+    dtype = xp.dtype
+    dyf = np.ascontiguousarray(cotangents[0], dtype=dtype).reshape(-1)
+    kf = dyf if kept is None else kept.reshape(-1)
+    act_ = call.activation
+    need_x, need_w = "x" in needs, "weight" in needs
+    chunks = -(-plan.n // plan.images)
+    groups, og, width = w3.shape
+    dwp = np.empty((chunks if need_w else 1, groups, og, width), dtype)
+    dbp = np.zeros((max(chunks, 1), plan.o))
+    dx = out.get("x") if need_x else None
+    if need_x and (dx is None or not dx.flags.c_contiguous or dx.dtype != dtype):
+        dx = np.empty(plan.x_shape, dtype)
+    if not need_x:
+        dxp = np.empty(0, dtype)
+    elif plan.padded:
+        dxp = np.empty(plan.padded_shape, dtype)
+    else:
+        dxp = dx.reshape(plan.padded_shape)
+    if plan.n:
+        _run(plan, True, plan.n, plan.images, xp.reshape(-1), plan.omap, plan.lg, w3, np.empty(0, dtype), dyf, kf,
+             plan.yst, dxp.reshape(-1), dwp, dbp, plan.last, act_.code, act_.slope, False, keeps_output_only(act_),
+             need_x, need_w)
+    grads = {}
+    if need_x:
+        if plan.padded:
+            dx.reshape(dxp[plan.interior].shape)[...] = dxp[plan.interior]
+        grads["x"] = _into(out, "x", dx)
+    if need_w:
+        grads["weight"] = _into(out, "weight", _weight_gradient(dwp[:chunks], plan, call))
+    if "bias" in needs:
+        grads["bias"] = _into(out, "bias", dbp[:chunks].sum(axis=0).astype(dtype))
+    return grads
+
+
+def _weight_gradient(dwp, plan, call):
+    """Σ over chunks (in chunk order, float64) of the partial gradients, in weight's layout."""
+    total = dwp.sum(axis=0, dtype=np.float64)  # (G, Og, Cg·K)
+    o, taps = plan.o, plan.taps
+    cg = plan.width // taps
+    if plan.last:
+        total = total.reshape(o, taps, cg).transpose(0, 2, 1)
+    return np.ascontiguousarray(total.reshape((o, cg, *call.kernel)), dtype=dwp.dtype)
+
+
+def _into(out, name, value):
+    buffer = out.get(name)
+    if buffer is None or buffer is value:
+        return value
+    buffer[...] = value
+    return buffer

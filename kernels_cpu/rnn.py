@@ -1,0 +1,962 @@
+"""Numba kernels for recurrent cells and sequences, forward and backward (backend ``"numba"``).
+
+One *direction* of one layer over a time-major sequence ``X`` ``(T, N, F)`` runs in
+**one compiled function** (:func:`_forward_direction`)::
+
+    GI = X · w_ihᵀ                                    one GEMM for all T steps
+    for t in time order (reversed for the reverse direction):
+        GH = h · w_hhᵀ                                recurrent GEMM (BLAS, preallocated out)
+        gates, state = cell(GI[t] + GH + b)           one fused elementwise pass per row
+
+and backward through time in another (:func:`_backward_direction`)::
+
+    for t in reverse time order:
+        dG[t] = cell'(dh + dY[t], dc, gates[t], state[t])   fused elementwise pass
+        db   += Σ_n dG[t, n]                          in the same pass (float64, fixed order)
+        dh    = dG[t] · w_hh (+ the cell's direct term)     recurrent GEMM
+    dw_ih = dGᵀ · X,  dw_hh = dGᵀ · H_prev,  dX = dG · w_ih    single GEMMs over all T·N rows
+
+Cells (σ the logistic function, ⊙ elementwise; gates stacked as in PyTorch):
+
+    rnn:   h' = act(x·w_ihᵀ + b_ih + h·w_hhᵀ + b_hh),  act = tanh or relu
+    lstm:  [i f g o] = [σ σ tanh σ](…),  c' = f ⊙ c + i ⊙ g,  h' = o ⊙ tanh(c')
+    gru:   r, z = σ(…);  reset_after=True:  n = tanh(GI_n + b_in + r ⊙ (h·w_hnᵀ + b_hn))
+                         reset_after=False: n = tanh(GI_n + b_in + (r ⊙ h)·w_hnᵀ + b_hn)
+           h' = n + z ⊙ (h − n)
+
+The bias of a gate is added inside the cell pass (one vector, ``b_ih + b_hh`` wherever the
+two simply add; only the GRU's ``b_hn`` with ``reset_after=True`` stays apart, since r
+multiplies it), so the big ``GI`` buffer is written once by BLAS and read once.
+
+The cell ops are sequences of one step through the same two functions.  Everything else
+(which gates, which GRU form, tanh or relu) is a runtime code, so the whole family compiles
+to two functions, each once per dtype.
+
+Transcendentals: PyPI's numba has no SVML, so ``math.exp``/``math.tanh`` would be scalar
+libm calls that keep the cell loops from vectorising.  :func:`_exp` is a range reduction
+(``x = k·ln2 + r``, Cody-Waite split ln2) with a polynomial in ``r`` (fitted here, evaluated
+by Estrin's scheme for a short dependency chain) and ``2**k`` built from its exponent bits:
+degree 6 in float32 and 11 in float64.  σ(z) = 1/(1 + e^−z) and tanh(z) = 2σ(2z) − 1.
+Measured maximum errors over the whole clamped range: exp 1.2e-7 (float32) and 3.2e-16
+(float64) relative; σ and tanh 1.8e-7 and 3.3e-16 absolute, so float64 results match the
+reference to ~1e-15.  A row of 65536 float32 LSTM gates takes ~55 us (libm: ~4x that).
+Constants are float32 scalars, exact in float64, so float32 code never widens to float64.
+
+Variable lengths (packed sequences): a step past a sequence's end leaves its state
+unchanged and writes a zero output; in the backward its gate gradients are zero and the
+state gradients pass through, as in the reference.  Without ``lengths`` every length is T.
+
+Threading: the kernels themselves are serial (no Numba thread pool, nothing to pay on small
+calls); the GEMMs run on SciPy's OpenBLAS through ``np.dot``, which splits a product over
+its threads above ~2**18 multiply-adds and runs smaller ones on the calling thread.  All
+GEMMs of a call use that one BLAS (none goes through NumPy's), so two BLAS thread pools
+never spin against each other.  Why not Numba threads as well: the time loop is a chain of
+short GEMM + cell steps, and a second pool woken every step would fight the BLAS threads
+for the cores; splitting the batch across threads instead needs one-thread BLAS calls,
+which only small (sub-threshold) products get, at 2.4x their cost (measured).  On an
+oversubscribed machine BLAS's per-step thread hand-offs dominate: ``OPENBLAS_NUM_THREADS=1``
+(or threadpoolctl) is then several times faster.  Results are bitwise reproducible for a
+given BLAS and thread count.
+
+Supported: ``rnn_cell``, ``lstm_cell``, ``gru_cell``, ``rnn``, ``lstm``, ``gru`` with every
+argument of the api (tanh/relu, both GRU forms, stacked layers, bidirectional,
+batch_first, ``lengths``, optional biases and initial states, zero sizes), float32 and
+float64 NumPy arrays (CPU torch tensors arrive as zero-copy NumPy views).  ``batch_first``
+data is transposed to time-major once on entry and back on exit.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic, overload
+
+# ``contract`` lets LLVM fuse a*b + c into one FMA: it shortens the polynomials and is at
+# least as accurate (measured: the float32 LSTM cell pass 124 -> 97 us).  Helpers are inlined
+# into the two kernels (``_INLINE``), so each dtype compiles two units: ~16 s cold per dtype
+# on this machine, then loaded from Numba's cache.
+_OPTS = {"cache": True, "error_model": "numpy", "nogil": True, "fastmath": {"contract"}}
+_INLINE = {**_OPTS, "inline": "always"}
+
+# Runtime cell codes: one compiled function serves every kind.
+RNN_TANH, RNN_RELU, LSTM, GRU, GRU_ORIGINAL = range(5)
+_GATES = {RNN_TANH: 1, RNN_RELU: 1, LSTM: 4, GRU: 3, GRU_ORIGINAL: 3}
+
+# float32 constants: exact in float64, and they keep float32 arithmetic in float32.
+_ZERO = np.float32(0.0)
+_ONE = np.float32(1.0)
+_TWO = np.float32(2.0)
+
+
+# --------------------------------------------------------------------------- vectorisable exp, σ, tanh
+
+
+@intrinsic
+def _pow2(typingctx, k):
+    """2**k for an integer-valued float ``k`` in the normal exponent range, from its exponent bits."""
+    if k == types.float32:
+        ity, fty, bias, shift = ir.IntType(32), ir.FloatType(), 127, 23
+    elif k == types.float64:
+        ity, fty, bias, shift = ir.IntType(64), ir.DoubleType(), 1023, 52
+    else:
+        return None
+
+    def codegen(context, builder, sig, args):
+        # Through int32 even for float64: AVX2 converts packed doubles to int32, not to int64.
+        i = builder.fptosi(args[0], ir.IntType(32))
+        if ity.width == 64:
+            i = builder.sext(i, ity)
+        i = builder.shl(builder.add(i, ir.Constant(ity, bias)), ir.Constant(ity, shift))
+        return builder.bitcast(i, fty)
+
+    return k(k), codegen
+
+
+def _exp(x):
+    """e**x in Numba kernels (see the module docstring); plain ``math.exp`` from Python."""
+    return math.exp(x)
+
+
+# e**r on |r| <= ln2/2: least-squares fits on Chebyshev nodes weighted by 1/e**r (close to
+# minimax), made for this module.  Polynomial error: 9.6e-8 (float32, degree 6 evaluated in
+# float32) and 1.8e-16 (float64, degree 11); Taylor polynomials of degree 7 and 13 would be
+# needed for the same accuracy.
+_P32 = tuple(np.float32(c) for c in (
+    1.0, 1.0, 0.4999999403953552, 0.16666419804096222, 0.04166772589087486, 0.008374805562198162,
+    0.0013859259197488427,
+))
+_P64 = (
+    1.0, 1.0, 0.5000000000000013, 0.16666666666666052, 0.041666666666515556, 0.008333333333613325,
+    0.0013888888946891889, 0.00019841269330044532, 2.4801490113593883e-05, 2.7557707726637763e-06,
+    2.763121237710946e-07, 2.4968604288080825e-08,
+)
+
+
+# Not inlined at Numba IR level (that trips Numba's SSA checks with warnings): compiled once
+# per dtype, and LLVM inlines it into every vector loop anyway.
+@overload(_exp)
+def _exp_impl(x):
+    if x == types.float32:
+        lo, hi = np.float32(-87.0), np.float32(88.0)
+        log2e, half = np.float32(1.4426950408889634), np.float32(0.5)
+        ln2_hi, ln2_lo = np.float32(0.693359375), np.float32(-2.12194440e-4)
+        p0, p1, p2, p3, p4, p5, p6 = _P32
+
+        def exp32(x):
+            x = lo if x < lo else x
+            x = hi if x > hi else x
+            k = np.floor(x * log2e + half)
+            k = k if k == k else _ZERO  # NaN: keeps the conversion in _pow2 defined; q stays NaN
+            r = x - k * ln2_hi
+            r = r - k * ln2_lo
+            # Estrin's scheme: the same accuracy with half Horner's dependency chain
+            r2 = r * r
+            q = (p6 * r2 + (p5 * r + p4)) * r2 + (p3 * r + p2)
+            q = q * r2 + (p1 * r + p0)
+            return q * _pow2(k)
+
+        return exp32
+    if x == types.float64:
+        ln2_hi, ln2_lo = 6.93147180369123816490e-01, 1.90821492927058770002e-10
+        p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11 = _P64
+
+        def exp64(x):
+            x = -708.0 if x < -708.0 else x
+            x = 709.0 if x > 709.0 else x
+            k = np.floor(x * 1.4426950408889634 + 0.5)
+            k = k if k == k else 0.0
+            r = x - k * ln2_hi
+            r = r - k * ln2_lo
+            r2 = r * r
+            r4 = r2 * r2
+            hi = ((p11 * r + p10) * r2 + (p9 * r + p8)) * r2 + (p7 * r + p6)
+            lo = ((p5 * r + p4) * r2 + (p3 * r + p2)) * r2 + (p1 * r + p0)
+            q = hi * (r4 * r2) + lo
+            return q * _pow2(k)
+
+        return exp64
+    return None
+
+
+@njit(**_INLINE)
+def _sigmoid(z):
+    return _ONE / (_ONE + _exp(-z))
+
+
+@njit(**_INLINE)
+def _tanh(z):
+    # tanh z = 2σ(2z) − 1: one exp and one division, like σ; absolute error ~1 ulp of 1.
+    return _TWO * _sigmoid(_TWO * z) - _ONE
+
+
+# --------------------------------------------------------------------------- row helpers
+
+
+@njit(**_INLINE)
+def _gates_row(a, m, b, beta, out):
+    """out = β σ(β (a + m + b)) + 1 − β: σ where β = 1, tanh where β = 2 (see :func:`_tanh`).
+
+    One loop over a whole LSTM row (i, f, g, o) instead of one per gate kind: longer
+    vector loops and less code to compile.
+    """
+    for j in range(out.shape[0]):
+        s = beta[j]
+        out[j] = s * _sigmoid(s * (a[j] + m[j] + b[j])) + (_ONE - s)
+
+
+@njit(**_INLINE)
+def _copy_row(src, dst):
+    for j in range(dst.shape[0]):
+        dst[j] = src[j]
+
+
+@njit(**_INLINE)
+def _zero_row(dst):
+    for j in range(dst.shape[0]):
+        dst[j] = _ZERO
+
+
+@njit(**_INLINE)
+def _add_row(src, dst):
+    for j in range(dst.shape[0]):
+        dst[j] += src[j]
+
+
+@njit(**_INLINE)
+def _accumulate_row(src, acc):
+    """acc += src in float64 (the bias gradient; fixed order, so deterministic)."""
+    for j in range(acc.shape[0]):
+        acc[j] += np.float64(src[j])
+
+
+@njit(**_INLINE)
+def _emit(h, y_t, col, n, active):
+    """Output row n: the new state of an active sequence, zero past its end."""
+    hs = h.shape[1]
+    yr = y_t[n][col : col + hs]
+    if active:
+        _copy_row(h[n], yr)
+    else:
+        _zero_row(yr)
+
+
+@njit(**_INLINE)
+def _blend_row(nn, z, hr):
+    """The GRU state update h' = n + z ⊙ (h − n), in place."""
+    for j in range(hr.shape[0]):
+        hr[j] = nn[j] + z[j] * (hr[j] - nn[j])
+
+
+# --------------------------------------------------------------------------- forward steps
+
+
+@njit(**_INLINE)
+def _rnn_step(code, t, gi_t, gh, w_a, b_i, beta, g_s, h, y_t, col, lengths):
+    np.dot(h, w_a.T, gh)
+    n_rows, hs = h.shape
+    for n in range(n_rows):
+        a = gi_t[n]
+        m = gh[n]
+        g = g_s[n]
+        if code == RNN_TANH:
+            _gates_row(a, m, b_i, beta, g)
+        else:
+            for j in range(hs):
+                v = a[j] + m[j] + b_i[j]
+                g[j] = v if v > _ZERO else _ZERO
+        active = t < lengths[n]
+        if active:
+            _copy_row(g, h[n])
+        _emit(h, y_t, col, n, active)
+
+
+@njit(**_INLINE)
+def _lstm_step(t, gi_t, gh, w_a, b_i, beta, g_s, e_s, h, c, y_t, col, lengths):
+    """e_s receives tanh(c'), which the backward needs."""
+    np.dot(h, w_a.T, gh)
+    n_rows, hs = h.shape
+    for n in range(n_rows):
+        g = g_s[n]
+        _gates_row(gi_t[n], gh[n], b_i, beta, g)
+        active = t < lengths[n]
+        if active:
+            i = g[:hs]
+            f = g[hs : 2 * hs]
+            gg = g[2 * hs : 3 * hs]
+            o = g[3 * hs :]
+            cr = c[n]
+            hr = h[n]
+            e = e_s[n]
+            for j in range(hs):
+                cr[j] = f[j] * cr[j] + i[j] * gg[j]
+            for j in range(hs):
+                e[j] = _tanh(cr[j])
+            for j in range(hs):
+                hr[j] = o[j] * e[j]
+        _emit(h, y_t, col, n, active)
+
+
+@njit(**_INLINE)
+def _gru_step(t, gi_t, gh, w_a, b_i, b_n, beta, g_s, e_s, h, y_t, col, lengths):
+    """reset_after=True; e_s receives h·w_hnᵀ + b_hn (the backward needs it)."""
+    np.dot(h, w_a.T, gh)
+    n_rows, hs = h.shape
+    for n in range(n_rows):
+        a = gi_t[n]
+        m = gh[n]
+        g = g_s[n]
+        e = e_s[n]
+        _gates_row(a[: 2 * hs], m[: 2 * hs], b_i[: 2 * hs], beta[: 2 * hs], g[: 2 * hs])
+        mn = m[2 * hs :]
+        for j in range(hs):
+            e[j] = mn[j] + b_n[j]
+        r = g[:hs]
+        an = a[2 * hs :]
+        bn = b_i[2 * hs :]
+        nn = g[2 * hs :]
+        for j in range(hs):
+            nn[j] = _tanh(an[j] + bn[j] + r[j] * e[j])
+        active = t < lengths[n]
+        if active:
+            _blend_row(nn, g[hs : 2 * hs], h[n])
+        _emit(h, y_t, col, n, active)
+
+
+@njit(**_INLINE)
+def _gru_original_step(t, gi_t, gh, w_a, w_b, b_i, beta, g_s, e_s, h, y_t, col, lengths):
+    """reset_after=False: two GEMMs per step; e_s receives r ⊙ h (the second GEMM's input)."""
+    n_rows, hs = h.shape
+    gh_rz = gh[: n_rows * 2 * hs].reshape(n_rows, 2 * hs)
+    gh_n = gh[n_rows * 2 * hs : n_rows * 3 * hs].reshape(n_rows, hs)
+    np.dot(h, w_a.T, gh_rz)
+    for n in range(n_rows):
+        g = g_s[n]
+        _gates_row(gi_t[n][: 2 * hs], gh_rz[n], b_i[: 2 * hs], beta[: 2 * hs], g[: 2 * hs])
+        r = g[:hs]
+        hr = h[n]
+        e = e_s[n]
+        for j in range(hs):
+            e[j] = r[j] * hr[j]
+    np.dot(e_s, w_b.T, gh_n)
+    for n in range(n_rows):
+        g = g_s[n]
+        _gates_row(gi_t[n][2 * hs :], gh_n[n], b_i[2 * hs :], beta[2 * hs :], g[2 * hs :])
+        active = t < lengths[n]
+        if active:
+            _blend_row(g[2 * hs :], g[hs : 2 * hs], h[n])
+        _emit(h, y_t, col, n, active)
+
+
+@njit(**_OPTS)
+def _forward_direction(code, x, w_ih, w_a, w_b, b_i, b_n, beta, lengths, reverse, save,
+                       h, c, y, col, gi, gh, gates, hprev, cprev, extra):
+    """One layer direction over ``x`` ``(T, N, F)``; the state ``h``/``c`` ``(N, H)`` is updated in place.
+
+    ``w_a`` is ``w_hh`` (its r, z rows for GRU_ORIGINAL, whose ``w_hn`` is ``w_b``); ``b_i``
+    ``(G*H,)`` every bias that simply adds, ``b_n`` the GRU's ``b_hn``; ``beta`` ``(G*H,)``
+    is 1 for σ gates and 2 for tanh ones (see :func:`_gates_row`).  Outputs go to
+    ``y[:, :, col:col+H]``.  ``gi`` ``(T, N, G*H)`` and ``gh`` ``(N*G*H,)`` are scratch.
+    With ``save`` the activated gates, the states entering each step and ``extra`` (see the
+    steps) are kept for the backward, indexed by t; without it only their row 0 is used.
+    """
+    steps, n_rows, features = x.shape
+    width = gi.shape[2]
+    np.dot(x.reshape(steps * n_rows, features), w_ih.T, gi.reshape(steps * n_rows, width))
+    gh2 = gh.reshape(n_rows, width)
+    for k in range(steps):
+        t = steps - 1 - k if reverse else k
+        s = t if save else 0
+        if save:
+            for n in range(n_rows):
+                _copy_row(h[n], hprev[t, n])
+                if code == LSTM:
+                    _copy_row(c[n], cprev[t, n])
+        if code == LSTM:
+            _lstm_step(t, gi[t], gh2, w_a, b_i, beta, gates[s], extra[s], h, c, y[t], col, lengths)
+        elif code == GRU:
+            _gru_step(t, gi[t], gh2, w_a, b_i, b_n, beta, gates[s], extra[s], h, y[t], col, lengths)
+        elif code == GRU_ORIGINAL:
+            _gru_original_step(t, gi[t], gh, w_a, w_b, b_i, beta, gates[s], extra[s], h, y[t], col, lengths)
+        else:
+            _rnn_step(code, t, gi[t], gh2, w_a, b_i, beta, gates[s], h, y[t], col, lengths)
+
+
+# --------------------------------------------------------------------------- backward steps
+
+
+@njit(**_INLINE)
+def _take_dy(dh, dy_t, col, n, has_dy):
+    """dh[n] += dY[t, n, col:col+H]: the output's gradient joins the carried state gradient."""
+    if has_dy:
+        hs = dh.shape[1]
+        _add_row(dy_t[n][col : col + hs], dh[n])
+
+
+@njit(**_INLINE)
+def _rnn_back(code, t, g_t, dh, dy_t, col, has_dy, da_t, lengths):
+    """dA = dh ⊙ act'(h'), from the kept output h' (tanh: 1 − h'², relu: h' > 0)."""
+    n_rows, hs = dh.shape
+    for n in range(n_rows):
+        da = da_t[n]
+        if t < lengths[n]:
+            _take_dy(dh, dy_t, col, n, has_dy)
+            d = dh[n]
+            g = g_t[n]
+            if code == RNN_TANH:
+                for j in range(hs):
+                    da[j] = d[j] * (_ONE - g[j] * g[j])
+            else:
+                for j in range(hs):
+                    da[j] = d[j] if g[j] > _ZERO else _ZERO
+        else:
+            _zero_row(da)
+
+
+@njit(**_INLINE)
+def _lstm_back(t, g_t, cp_t, tc_t, dh, dc, dy_t, col, has_dy, da_t, lengths):
+    """Gate gradients [di df dg do] of one step; dc becomes the gradient of the entering c.
+
+    One output stream per loop (PERFORMANCE.md §5).  tc = tanh(c'), kept by the forward.
+    """
+    n_rows, hs = dh.shape
+    for n in range(n_rows):
+        da = da_t[n]
+        if t < lengths[n]:
+            _take_dy(dh, dy_t, col, n, has_dy)
+            g = g_t[n]
+            i = g[:hs]
+            f = g[hs : 2 * hs]
+            gg = g[2 * hs : 3 * hs]
+            o = g[3 * hs :]
+            cp = cp_t[n]
+            tc = tc_t[n]
+            d = dh[n]
+            dcr = dc[n]
+            for j in range(hs):
+                dcr[j] = dcr[j] + d[j] * o[j] * (_ONE - tc[j] * tc[j])
+            da_i = da[:hs]
+            for j in range(hs):
+                da_i[j] = dcr[j] * gg[j] * i[j] * (_ONE - i[j])
+            da_f = da[hs : 2 * hs]
+            for j in range(hs):
+                da_f[j] = dcr[j] * cp[j] * f[j] * (_ONE - f[j])
+            da_g = da[2 * hs : 3 * hs]
+            for j in range(hs):
+                da_g[j] = dcr[j] * i[j] * (_ONE - gg[j] * gg[j])
+            da_o = da[3 * hs :]
+            for j in range(hs):
+                da_o[j] = d[j] * tc[j] * o[j] * (_ONE - o[j])
+            for j in range(hs):
+                dcr[j] = dcr[j] * f[j]
+        else:
+            _zero_row(da)
+
+
+@njit(**_INLINE)
+def _gru_back(t, g_t, hp_t, e_t, dh, dy_t, col, has_dy, da_t, db_t, lengths):
+    """reset_after=True: da = gradient of the input-side pre-activations [dr dz dn], db that of
+    the hidden-side ones h·w_hhᵀ + b_hh (equal to da except its n block, dn ⊙ r)."""
+    n_rows, hs = dh.shape
+    for n in range(n_rows):
+        da = da_t[n]
+        db = db_t[n]
+        if t < lengths[n]:
+            _take_dy(dh, dy_t, col, n, has_dy)
+            d = dh[n]
+            g = g_t[n]
+            r = g[:hs]
+            z = g[hs : 2 * hs]
+            nn = g[2 * hs :]
+            hp = hp_t[n]
+            e = e_t[n]
+            da_z = da[hs : 2 * hs]
+            for j in range(hs):
+                da_z[j] = d[j] * (hp[j] - nn[j]) * z[j] * (_ONE - z[j])
+            da_n = da[2 * hs :]
+            for j in range(hs):
+                da_n[j] = d[j] * (_ONE - z[j]) * (_ONE - nn[j] * nn[j])
+            db_n = db[2 * hs :]
+            for j in range(hs):
+                db_n[j] = da_n[j] * r[j]
+            da_r = da[:hs]
+            for j in range(hs):
+                da_r[j] = da_n[j] * e[j] * r[j] * (_ONE - r[j])
+            _copy_row(da[: 2 * hs], db[: 2 * hs])
+        else:
+            _zero_row(da)
+            _zero_row(db)
+
+
+@njit(**_INLINE)
+def _gru_original_back(t, g_t, hp_t, w_b, dh, dy_t, col, has_dy, da_t, db_t, drh, lengths):
+    """reset_after=False: db = dn (N, H), da = [dr dz] (N, 2H); drh = dn·w_hn is the gradient of r ⊙ h."""
+    n_rows, hs = dh.shape
+    for n in range(n_rows):
+        da = da_t[n]
+        db = db_t[n]
+        if t < lengths[n]:
+            _take_dy(dh, dy_t, col, n, has_dy)
+            d = dh[n]
+            g = g_t[n]
+            z = g[hs : 2 * hs]
+            nn = g[2 * hs :]
+            hp = hp_t[n]
+            for j in range(hs):
+                db[j] = d[j] * (_ONE - z[j]) * (_ONE - nn[j] * nn[j])
+            da_z = da[hs:]
+            for j in range(hs):
+                da_z[j] = d[j] * (hp[j] - nn[j]) * z[j] * (_ONE - z[j])
+        else:
+            _zero_row(da)
+            _zero_row(db)
+    np.dot(db_t, w_b, drh)
+    for n in range(n_rows):
+        if t < lengths[n]:
+            g = g_t[n]
+            r = g[:hs]
+            hp = hp_t[n]
+            q = drh[n]
+            da_r = da_t[n][:hs]
+            for j in range(hs):
+                da_r[j] = q[j] * hp[j] * r[j] * (_ONE - r[j])
+
+
+@njit(**_INLINE)
+def _state_grad(code, t, g_t, w_a, da_t, db_t, drh, cur, nxt, lengths):
+    """nxt = the gradient of the state entering step t (cur: the one leaving it).
+
+    Past a sequence's end the step did not touch the state: its gradient passes through.
+    """
+    n_rows, hs = cur.shape
+    if code == GRU:
+        np.dot(db_t, w_a, nxt)
+    else:
+        np.dot(da_t, w_a, nxt)
+    for n in range(n_rows):
+        dst = nxt[n]
+        d = cur[n]
+        if t >= lengths[n]:
+            _copy_row(d, dst)
+        elif code == GRU:
+            z = g_t[n][hs : 2 * hs]
+            for j in range(hs):
+                dst[j] += d[j] * z[j]
+        elif code == GRU_ORIGINAL:
+            g = g_t[n]
+            r = g[:hs]
+            z = g[hs : 2 * hs]
+            q = drh[n]
+            for j in range(hs):
+                dst[j] += d[j] * z[j] + q[j] * r[j]
+
+
+@njit(**_INLINE)
+def _gemm_into(a, b, out, add):
+    """out = a·b, or out += a·b."""
+    if add:
+        part = np.empty_like(out)
+        np.dot(a, b, part)
+        for i in range(out.shape[0]):
+            _add_row(part[i], out[i])
+    else:
+        np.dot(a, b, out)
+
+
+@njit(**_OPTS)
+def _backward_direction(code, x, w_ih, w_a, w_b, gates, hprev, cprev, extra, lengths, reverse,
+                        dy, col, has_dy, dh, dc, want_state, da, db, dh2, tmp, acc_a, acc_b,
+                        want_w, dw_ih, dw_hh, want_dx, dx, dx_add):
+    """Backward through time of one direction (arguments as in :func:`_forward_direction`).
+
+    ``dh``/``dc`` ``(N, H)`` enter as the gradients of the final states and leave as those of
+    the initial ones (when ``want_state``).  ``da`` ``(T, N, ·)`` receives the gradient of
+    the input-side pre-activations, ``db`` the hidden-side one where it differs (GRU), and
+    ``acc_a``/``acc_b`` (float64) their sums over steps and rows, the bias gradients.
+    ``want_w`` is a bit mask: 1 writes ``dw_ih``, 2 ``dw_hh``, 4 the bias sums.  ``dx``
+    ``(T, N, F)`` is written when ``want_dx``, or added to with ``dx_add`` (a layer's second
+    direction).
+    """
+    steps, n_rows, features = x.shape
+    hs = dh.shape[1]
+    cur = dh
+    nxt = dh2
+    flipped = False
+    two = code == GRU or code == GRU_ORIGINAL  # whether db is a real (T, N, ·) buffer
+    for k in range(steps):
+        t = k if reverse else steps - 1 - k
+        tb = t if two else 0
+        if code == LSTM:
+            _lstm_back(t, gates[t], cprev[t], extra[t], cur, dc, dy[t], col, has_dy, da[t], lengths)
+        elif code == GRU:
+            _gru_back(t, gates[t], hprev[t], extra[t], cur, dy[t], col, has_dy, da[t], db[t], lengths)
+        elif code == GRU_ORIGINAL:
+            _gru_original_back(t, gates[t], hprev[t], w_b, cur, dy[t], col, has_dy, da[t], db[t], tmp, lengths)
+        else:
+            _rnn_back(code, t, gates[t], cur, dy[t], col, has_dy, da[t], lengths)
+        if want_w & 4:
+            for n in range(n_rows):
+                _accumulate_row(da[t, n], acc_a)
+                if two:
+                    _accumulate_row(db[t, n], acc_b)
+        if want_state or k < steps - 1:
+            _state_grad(code, t, gates[t], w_a, da[t], db[tb], tmp, cur, nxt, lengths)
+            cur, nxt = nxt, cur
+            flipped = not flipped
+    if flipped:
+        for n in range(n_rows):
+            _copy_row(cur[n], dh[n])
+
+    m = steps * n_rows
+    x2 = x.reshape(m, features)
+    if code == GRU_ORIGINAL:
+        a2 = da.reshape(m, 2 * hs)
+        b2 = db.reshape(m, hs)
+        if want_w & 1:
+            np.dot(a2.T, x2, dw_ih[: 2 * hs])
+            np.dot(b2.T, x2, dw_ih[2 * hs :])
+        if want_w & 2:
+            np.dot(a2.T, hprev.reshape(m, hs), dw_hh[: 2 * hs])
+            np.dot(b2.T, extra.reshape(m, hs), dw_hh[2 * hs :])
+        if want_dx:
+            dx2 = dx.reshape(m, features)
+            _gemm_into(a2, w_ih[: 2 * hs], dx2, dx_add)
+            _gemm_into(b2, w_ih[2 * hs :], dx2, True)
+    else:
+        width = da.shape[2]
+        a2 = da.reshape(m, width)
+        if want_w & 1:
+            np.dot(a2.T, x2, dw_ih)
+        if want_w & 2:
+            hidden = db.reshape(m, width) if code == GRU else a2
+            np.dot(hidden.T, hprev.reshape(m, hs), dw_hh)
+        if want_dx:
+            _gemm_into(a2, w_ih, dx.reshape(m, features), dx_add)
+
+
+# --------------------------------------------------------------------------- host side: buffers and plans
+
+#: Bits of the kernel's ``want_w`` mask.
+W_IH, W_HH, BIASES = 1, 2, 4
+_CELL_WEIGHTS = ("w_ih", "w_hh", "b_ih", "b_hh")
+
+
+def _code(call):
+    """The runtime cell code of a call."""
+    if call.kind == "lstm":
+        return LSTM
+    if call.kind == "gru":
+        return GRU if call.reset_after else GRU_ORIGINAL
+    return RNN_TANH if call.activation.name == "tanh" else RNN_RELU
+
+
+def _plain(a, dtype):
+    """``a`` as a C-contiguous, writable array of ``dtype`` (itself when it already is one).
+
+    Numba compiles a specialisation per distinct array type, and read-only or strided
+    arrays are distinct types: normalising here keeps one specialisation per dtype.
+    """
+    if a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable:
+        return a
+    return np.array(a, dtype=dtype, order="C")
+
+
+@functools.cache
+def _dummy(dtype, ndim):
+    """A stand-in for an array argument the kernels do not touch in this call (shared, never written)."""
+    return np.zeros((1,) * ndim, dtype)
+
+
+def _time_major(a, batch_first, dtype):
+    """``(T, N, F)`` contiguous from ``(N, T, F)`` (batch first) or ``(T, N, F)``."""
+    return np.ascontiguousarray(np.swapaxes(a, 0, 1), dtype=dtype) if batch_first else _plain(a, dtype)
+
+
+def _caller_layout(a, batch_first):
+    return np.ascontiguousarray(np.swapaxes(a, 0, 1)) if batch_first else a
+
+
+def _direct(buffer, shape, dtype):
+    """The caller's ``out`` buffer viewed as ``shape`` when the kernel can write into it, else None."""
+    if buffer is None or buffer.dtype != dtype or not buffer.flags.c_contiguous:
+        return None
+    return buffer.reshape(shape)
+
+
+def _into(buffer, value):
+    """``value`` delivered in the caller's buffer (a no-op when the kernel wrote there)."""
+    if buffer is None:
+        return value
+    if not np.may_share_memory(buffer, value):
+        buffer[...] = value.reshape(buffer.shape)
+    return buffer
+
+
+@functools.lru_cache(maxsize=256)
+def _betas(code, hs, dtype):
+    """Per gate row: 1 for a σ gate, 2 for a tanh one (see :func:`_gates_row`); shared, never written."""
+    beta = np.ones(_GATES[code] * hs, dtype)
+    if code == LSTM:
+        beta[2 * hs : 3 * hs] = 2.0
+    elif code in (GRU, GRU_ORIGINAL):
+        beta[2 * hs :] = 2.0
+    elif code == RNN_TANH:
+        beta[:] = 2.0
+    return beta
+
+
+class _Direction:
+    """One layer direction's weights as the kernels take them (see :func:`_forward_direction`)."""
+
+    __slots__ = ("b_i", "b_n", "beta", "has_bias", "w_a", "w_b", "w_hh", "w_ih")
+
+    def __init__(self, code, w_ih, w_hh, b_ih, b_hh, dtype):
+        gh, hs = w_hh.shape
+        self.w_ih = _plain(w_ih, dtype)
+        self.w_hh = _plain(w_hh, dtype)
+        self.has_bias = (b_ih is not None, b_hh is not None)
+        self.b_i = np.zeros(gh, dtype)
+        self.b_n = np.zeros(hs, dtype)
+        if b_ih is not None:
+            self.b_i += b_ih
+        if b_hh is not None:
+            if code == GRU:  # r multiplies h·w_hnᵀ + b_hn, so b_hn cannot join b_in
+                self.b_i[: 2 * hs] += b_hh[: 2 * hs]
+                self.b_n[:] = b_hh[2 * hs :]
+            else:
+                self.b_i += b_hh
+        if code == GRU_ORIGINAL:
+            self.w_a, self.w_b = self.w_hh[: 2 * hs], self.w_hh[2 * hs :]
+        else:
+            self.w_a, self.w_b = self.w_hh, _dummy(dtype, 2)
+        self.beta = _betas(code, hs, dtype)
+
+
+class _Saved:
+    """One direction's residuals: activated gates, entering states, each cell's extra rows.
+
+    Without ``save`` only one step's rows exist (the forward's per-step scratch).
+    """
+
+    __slots__ = ("cprev", "extra", "gates", "hprev")
+
+    def __init__(self, code, steps, n, hs, dtype, save):
+        rows = steps if save else 1
+        self.gates = np.empty((rows, n, _GATES[code] * hs), dtype)
+        self.hprev = np.empty((steps, n, hs), dtype) if save else _dummy(dtype, 3)
+        self.cprev = np.empty((steps, n, hs), dtype) if save and code == LSTM else _dummy(dtype, 3)
+        self.extra = np.empty((rows, n, hs), dtype) if code in (LSTM, GRU, GRU_ORIGINAL) else _dummy(dtype, 3)
+
+
+class _Workspace:
+    """Scratch shared by every direction of one call: ``GI`` and one step's ``GH``."""
+
+    def __init__(self, code, steps, n, hs, dtype):
+        width = _GATES[code] * hs
+        self.gi = np.empty((steps, n, width), dtype)
+        self.gh = np.empty(n * width, dtype)
+
+
+def _forward_one(code, x, w, lengths, reverse, save, h, c, y, col, work):
+    saved = _Saved(code, x.shape[0], x.shape[1], h.shape[1], x.dtype, save)
+    _forward_direction(code, x, w.w_ih, w.w_a, w.w_b, w.b_i, w.b_n, w.beta, lengths, reverse, save,
+                       h, c, y, col, work.gi, work.gh, saved.gates, saved.hprev, saved.cprev, saved.extra)
+    return saved
+
+
+class _Grads:
+    """Backward scratch shared by every direction of one call."""
+
+    def __init__(self, code, steps, n, hs, dtype):
+        if code == GRU_ORIGINAL:
+            wa, wb = 2 * hs, hs
+        elif code == GRU:
+            wa = wb = 3 * hs
+        else:
+            wa, wb = _GATES[code] * hs, 1
+        self.da = np.empty((steps, n, wa), dtype)
+        self.db = np.empty((steps, n, wb), dtype) if code in (GRU, GRU_ORIGINAL) else _dummy(dtype, 3)
+        self.dh2 = np.empty((n, hs), dtype)
+        self.tmp = np.empty((n, hs), dtype)
+        self.wa, self.wb = wa, wb
+
+
+def _bias_sums(code, acc_a, acc_b):
+    """(Σ d b_ih, Σ d b_hh) from the kernel's float64 sums."""
+    if code == GRU_ORIGINAL:
+        both = np.concatenate([acc_a, acc_b])
+        return both, both
+    if code == GRU:
+        return acc_a, acc_b
+    return acc_a, acc_a
+
+
+def _backward_one(code, x, w, saved, lengths, reverse, dy, col, has_dy, dh, dc, want_state,
+                  grads, wanted, buffers, dx, dx_add):
+    """One direction's backward; returns (dw_ih, dw_hh, db_ih, db_hh), ``None`` where not wanted.
+
+    ``buffers``: the caller's four ``out`` buffers (or ``None``s), written directly when possible.
+    """
+    dtype = x.dtype
+    dw = [None, None]
+    for j, (bit, like) in enumerate(((W_IH, w.w_ih), (W_HH, w.w_hh))):
+        if wanted & bit:
+            dw[j] = _direct(buffers[j], like.shape, dtype)
+            if dw[j] is None:
+                dw[j] = np.empty_like(like)
+    acc_a = np.zeros(grads.wa)
+    acc_b = np.zeros(grads.wb)
+    _backward_direction(code, x, w.w_ih, w.w_a, w.w_b, saved.gates, saved.hprev, saved.cprev, saved.extra,
+                        lengths, reverse, dy, col, has_dy, dh, dc, want_state, grads.da, grads.db,
+                        grads.dh2, grads.tmp, acc_a, acc_b, wanted,
+                        _dummy(dtype, 2) if dw[0] is None else dw[0],
+                        _dummy(dtype, 2) if dw[1] is None else dw[1],
+                        dx is not None, _dummy(dtype, 3) if dx is None else dx, dx_add)
+    result = [None if dw[j] is None else _into(buffers[j], dw[j]) for j in range(2)]
+    sums = _bias_sums(code, acc_a, acc_b)
+    for j in range(2):
+        present = w.has_bias[j] and wanted & BIASES
+        result.append(_into(buffers[2 + j], sums[j].astype(dtype)) if present else None)
+    return tuple(result)
+
+
+# --------------------------------------------------------------------------- cells: entry points
+
+
+def cell_forward(call):
+    """``rnn_cell``/``lstm_cell``/``gru_cell``: a sequence of one step; outputs ``(h',)`` or ``(h', c')``."""
+    code = _code(call)
+    x = call.x
+    dtype = x.dtype
+    hs = call.hidden_size
+    n = 1 if call.unbatched else x.shape[0]
+    X = _plain(x, dtype).reshape(1, n, x.shape[-1])
+    h = np.array(call.h, dtype).reshape(n, hs)  # copies: the kernel updates the state in place
+    c = np.array(call.c, dtype).reshape(n, hs) if code == LSTM else _dummy(dtype, 2)
+    w = _Direction(code, call.w_ih, call.w_hh, call.b_ih, call.b_hh, dtype)
+    lengths = np.ones(n, np.int64)
+    y = np.empty((1, n, hs), dtype)
+    saved = _forward_one(code, X, w, lengths, False, call.save, h, c, y, 0, _Workspace(code, 1, n, hs, dtype))
+    shape = tuple(call.h.shape)
+    outputs = (h.reshape(shape), c.reshape(shape)) if code == LSTM else (h.reshape(shape),)
+    residuals = (code, call, X, w, saved, lengths) if call.save else None
+    return outputs, residuals
+
+
+def cell_backward(residuals, cotangents, needs, out=None):
+    """Gradients of the cell ops for the names in ``needs``, into ``out`` buffers where given."""
+    code, call, X, w, saved, lengths = residuals
+    out = out or {}
+    dtype = X.dtype
+    n = X.shape[1]
+    hs = call.hidden_size
+    dh = np.array(cotangents[0], dtype).reshape(n, hs)
+    dc = np.array(cotangents[1], dtype).reshape(n, hs) if code == LSTM else _dummy(dtype, 2)
+    wanted = (W_IH if "w_ih" in needs else 0) | (W_HH if "w_hh" in needs else 0)
+    wanted |= BIASES if needs & {"b_ih", "b_hh"} else 0
+    dx = None
+    if "x" in needs:
+        dx = _direct(out.get("x"), X.shape, dtype)
+        dx = np.empty_like(X) if dx is None else dx
+    buffers = [out.get(name) for name in _CELL_WEIGHTS]
+    weight_grads = _backward_one(code, X, w, saved, lengths, False, _dummy(dtype, 3), 0, False, dh, dc,
+                                 bool(needs & {"h", "c"}), _Grads(code, 1, n, hs, dtype), wanted, buffers,
+                                 dx, False)
+    grads = {}
+    if "x" in needs:
+        grads["x"] = _into(out.get("x"), dx.reshape(call.x.shape))
+    for name, value in (("h", dh), ("c", dc)):
+        if name in needs:
+            grads[name] = _into(out.get(name), value.reshape(call.arrays[name].shape))
+    for name, value in zip(_CELL_WEIGHTS, weight_grads):
+        if name in needs:
+            grads[name] = value
+    return grads
+
+
+# --------------------------------------------------------------------------- sequences: entry points
+
+
+def _lengths(lengths, steps, n):
+    """Per-sequence lengths as int64 (every length T when the api normalised them away)."""
+    if lengths is None:
+        return np.full(n, steps, np.int64)
+    return np.asarray(lengths, dtype=np.int64)
+
+
+def _initial(value, shape, dtype):
+    """A fresh state array: the kernels update it in place into the final states."""
+    return np.zeros(shape, dtype) if value is None else np.array(value, dtype=dtype, order="C")
+
+
+def sequence_forward(call):
+    """``rnn``/``lstm``/``gru``: outputs ``(y, h_n)`` or ``(y, h_n, c_n)``."""
+    code = _code(call)
+    x = call.x
+    dtype = x.dtype
+    layers, dirs, hs = call.num_layers, call.num_directions, call.hidden_size
+    X = _time_major(x, call.batch_first, dtype)
+    steps, n = X.shape[0], X.shape[1]
+    lengths = _lengths(call.lengths, steps, n)
+    h_n = _initial(call.arrays.get("h0"), (layers * dirs, n, hs), dtype)
+    c_n = _initial(call.arrays.get("c0"), (layers * dirs, n, hs), dtype) if code == LSTM else None
+    work = _Workspace(code, steps, n, hs, dtype)
+    inputs, weights, saved = [], [], []
+    inp = X
+    for layer in range(layers):
+        y = np.empty((steps, n, dirs * hs), dtype)
+        for d in range(dirs):
+            k = layer * dirs + d
+            w = _Direction(code, *(call.arrays[name] for name in call.param_names[k]), dtype)
+            c = _dummy(dtype, 2) if c_n is None else c_n[k]
+            saved.append(_forward_one(code, inp, w, lengths, d == 1, call.save, h_n[k], c, y, d * hs, work))
+            weights.append(w)
+        inputs.append(inp)
+        inp = y
+    outputs = (_caller_layout(inp, call.batch_first), h_n) + (() if c_n is None else (c_n,))
+    residuals = (code, call, inputs, weights, saved, lengths) if call.save else None
+    return outputs, residuals
+
+
+def sequence_backward(residuals, cotangents, needs, out=None):
+    """Gradients of the sequence ops: ``x``, ``params`` (a list of 4-tuples), ``h0``, ``c0``."""
+    code, call, inputs, weights, saved, lengths = residuals
+    out = out or {}
+    dtype = inputs[0].dtype
+    layers, dirs, hs = call.num_layers, call.num_directions, call.hidden_size
+    steps, n = inputs[0].shape[0], inputs[0].shape[1]
+    dY = _time_major(cotangents[0], call.batch_first, dtype)
+    dh = np.array(cotangents[1], dtype=dtype, order="C")  # becomes dh0 in place
+    dc = np.array(cotangents[2], dtype=dtype, order="C") if code == LSTM else None
+    want_x, want_p = "x" in needs, "params" in needs
+    want_state = bool(needs & {"h0", "c0"})
+    grads = _Grads(code, steps, n, hs, dtype)
+    param_out = out.get("params")
+    pgrads = [None] * (layers * dirs)
+    for layer in range(layers - 1, -1, -1):
+        X = inputs[layer]
+        dX = None
+        if layer > 0 or want_x:
+            if layer == 0 and not call.batch_first:
+                dX = _direct(out.get("x"), X.shape, dtype)
+            dX = np.empty_like(X) if dX is None else dX
+        for d in range(dirs):
+            k = layer * dirs + d
+            buffers = (None,) * 4 if param_out is None else param_out[k]
+            pgrads[k] = _backward_one(code, X, weights[k], saved[k], lengths, d == 1, dY, d * hs, True, dh[k],
+                                      _dummy(dtype, 2) if dc is None else dc[k], want_state, grads,
+                                      W_IH | W_HH | BIASES if want_p else 0, buffers, dX, d == 1)
+        dY = dX
+    result = {}
+    if want_x:
+        result["x"] = _into(out.get("x"), _caller_layout(dY, call.batch_first))
+    if want_p:
+        result["params"] = [tuple(g) for g in pgrads]
+    if "h0" in needs:
+        result["h0"] = _into(out.get("h0"), dh)
+    if "c0" in needs:
+        result["c0"] = _into(out.get("c0"), dc)
+    return result

@@ -1,0 +1,289 @@
+"""Numba conv and dense kernels: serial and parallel paths, chunk boundaries, determinism, ``out=``
+buffers, selection under ``auto``, what the forward keeps, and float64 agreement with the reference.
+
+Agreement with PyTorch over the full argument grids runs in ``test_conv.py`` and ``test_dense.py``
+(every registered backend is forced there); this file covers what is particular to the kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import portable_nn as pnn
+from pnn_testing import rel_err
+
+pytest.importorskip("numba")
+pytestmark = pytest.mark.skipif(not pnn.available_backends()["numba"], reason="numba not installed")
+
+from kernels_cpu import conv as kc  # noqa: E402  (imports numba)
+from kernels_cpu import dense as kd  # noqa: E402
+
+#: Small geometries that reach every branch of the canonical form: 1-D/3-D, strides, dilation,
+#: asymmetric padding, groups (depthwise with a multiplier), a 1x1 kernel, unbatched input.
+GEOMS = {
+    "2d-s2-d2-g2-pad": dict(x=(3, 4, 7, 6), w=(6, 2, 3, 2), stride=2, padding=(1, (0, 2)), dilation=2, groups=2),
+    "2d-same-depthwise": dict(x=(2, 3, 5, 6), w=(6, 1, 3, 3), stride=1, padding="same", dilation=1, groups=3),
+    "1d-k4-s3": dict(x=(3, 2, 11), w=(3, 2, 4), stride=3, padding=((2, 1),), dilation=1, groups=1),
+    "3d-mixed": dict(x=(2, 2, 4, 5, 4), w=(4, 1, 2, 3, 2), stride=(1, 2, 1), padding=(1, 0, (0, 1)),
+                     dilation=(2, 1, 1), groups=2),
+    "2d-1x1-unbatched": dict(x=(3, 5, 4), w=(2, 3, 1, 1), stride=1, padding=0, dilation=1, groups=1),
+    "lenet-like": dict(x=(5, 3, 9, 9), w=(4, 3, 5, 5), stride=1, padding=0, dilation=1, groups=1),
+}
+
+
+def _conv_data(geom, layout, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(geom["x"])
+    batched = len(geom["x"]) == len(geom["w"])
+    if layout == "last":
+        x = np.moveaxis(x, 1 if batched else 0, -1)
+    w = rng.standard_normal(geom["w"]) / np.sqrt(np.prod(geom["w"][1:]))
+    b = rng.standard_normal(geom["w"][0]) * 0.5
+    kwargs = {k: geom[k] for k in ("stride", "padding", "dilation", "groups")}
+    kwargs["channel_axis"] = -1 if layout == "last" else 1
+    return [np.ascontiguousarray(a, dtype=dtype) for a in (x, w, b)], kwargs
+
+
+def _run(op, args, kwargs, backend, seed=1, out=None, wrt=None):
+    with pnn.use_backend(backend):
+        y, pullback = pnn.vjp(op, *args, wrt=wrt, **kwargs)
+        dy = np.random.default_rng(seed).standard_normal(y.shape).astype(y.dtype)
+        grads = pullback(dy) if out is None else pullback(dy, out=out)
+    return (y, *grads)
+
+
+@pytest.fixture(params=["serial", "parallel"])
+def path(request, monkeypatch):
+    """Force the serial or the parallel kernels (the size thresholds pick them otherwise)."""
+    parallel = request.param == "parallel"
+    monkeypatch.setattr(kc, "PARALLEL_MIN_MACS", 0 if parallel else 1 << 62)
+    monkeypatch.setattr(kd, "PARALLEL_MIN_ELEMENTS", 0 if parallel else 1 << 62)
+    return request.param
+
+
+@pytest.fixture(params=["one-line", "crossing", "default"])
+def chunks(request, monkeypatch):
+    """Chunk sizes: one output line / image per chunk, 3-line chunks crossing image boundaries, default."""
+    monkeypatch.setattr(kc, "_PLANS", {})  # plans are cached by geometry
+    if request.param == "one-line":
+        monkeypatch.setattr(kc, "CHUNK_ELEMENTS", 1)
+    elif request.param == "crossing":
+        original = kc._Plan.__init__
+
+        def three_lines(self, call, weight_shape):
+            original(self, call, weight_shape)
+            self.lines = 3
+            self.images = 2
+
+        monkeypatch.setattr(kc._Plan, "__init__", three_lines)
+    return request.param
+
+
+# --------------------------------------------------------------------------- conv
+
+
+def test_auto_picks_numba_for_numpy_float32():
+    (x, w, b), kwargs = _conv_data(GEOMS["2d-s2-d2-g2-pad"], "first", np.float32)
+    assert pnn.explain(pnn.conv, x, w, b, **kwargs).backend == "numba"
+    (x, w, b), kwargs = _conv_data(GEOMS["3d-mixed"], "last", np.float32)
+    assert pnn.explain(pnn.conv, x, w, b, **kwargs).backend == "numba"
+
+
+@pytest.mark.parametrize("layout", ["first", "last"])
+@pytest.mark.parametrize("geom", list(GEOMS))
+def test_conv_float64_matches_reference(geom, layout, path, chunks):
+    args, kwargs = _conv_data(GEOMS[geom], layout, np.float64)
+    kwargs["activation"] = "gelu" if layout == "first" else "relu"
+    got = _run(pnn.conv, args, kwargs, "numba")
+    expected = _run(pnn.conv, args, kwargs, "reference")
+    for name, a, e in zip(("y", "dx", "dweight", "dbias"), got, expected):
+        assert a.shape == e.shape and a.dtype == e.dtype, name
+        assert rel_err(a, e) <= 1e-12, f"{name}: {rel_err(a, e):.2e}"
+
+
+@pytest.mark.parametrize("act", ["identity", "relu", ("leaky_relu", 0.2), ("leaky_relu", -0.3), "sigmoid", "tanh",
+                                 "silu", "gelu_tanh"])
+def test_conv_every_activation_float32(act, path):
+    """float32 against the float64 reference: each activation's epilogue and derivative branch."""
+    args, kwargs = _conv_data(GEOMS["2d-s2-d2-g2-pad"], "last", np.float32)
+    kwargs["activation"] = act
+    got = _run(pnn.conv, args, kwargs, "numba")
+    expected = _run(pnn.conv, [a.astype(np.float64) for a in args], kwargs, "reference")
+    for name, a, e in zip(("y", "dx", "dweight", "dbias"), got, expected):
+        assert a.dtype == np.float32
+        assert rel_err(a, e) <= 1e-5, f"{name}: {rel_err(a, e):.2e}"
+
+
+@pytest.mark.parametrize("wrt", [("weight",), ("x",), ("bias",), ("x", "bias")])
+def test_conv_partial_gradients(wrt):
+    args, kwargs = _conv_data(GEOMS["2d-same-depthwise"], "first", np.float64)
+    kwargs["activation"] = "silu"
+    got = _run(pnn.conv, args, kwargs, "numba", wrt=wrt)
+    expected = _run(pnn.conv, args, kwargs, "reference")
+    for name, a, e in zip(("y", "x", "weight", "bias"), got, expected):
+        if name != "y" and name not in wrt:
+            assert a is None
+        else:
+            assert rel_err(a, e) <= 1e-12, name
+
+
+@pytest.mark.parametrize("layout", ["first", "last"])
+def test_conv_serial_and_parallel_agree_bitwise(layout, monkeypatch):
+    """Chunking depends on the shape only and partial sums are reduced in chunk order."""
+    args, kwargs = _conv_data(GEOMS["lenet-like"], layout, np.float32)
+    kwargs["activation"] = "relu"
+    results = []
+    for threshold in (1 << 62, 0):
+        monkeypatch.setattr(kc, "PARALLEL_MIN_MACS", threshold)
+        results.append(_run(pnn.conv, args, kwargs, "numba"))
+    for a, b in zip(*results):
+        assert np.array_equal(a, b)
+
+
+def test_conv_bitwise_deterministic(path):
+    args, kwargs = _conv_data(GEOMS["3d-mixed"], "first", np.float32)
+    kwargs["activation"] = "gelu"
+    first, second = (_run(pnn.conv, args, kwargs, "numba") for _ in range(2))
+    for a, b in zip(first, second):
+        assert np.array_equal(a, b)
+
+
+def test_conv_out_buffers_written_in_place(path):
+    args, kwargs = _conv_data(GEOMS["2d-s2-d2-g2-pad"], "last", np.float32)
+    kwargs["activation"] = "tanh"
+    expected = _run(pnn.conv, args, kwargs, "numba")
+    x, w, b = args
+    buffers = {"x": np.full_like(x, np.nan), "weight": np.full_like(w, np.nan), "bias": np.full_like(b, np.nan)}
+    got = _run(pnn.conv, args, kwargs, "numba", out=buffers)
+    for name, value, want in zip(("x", "weight", "bias"), got[1:], expected[1:]):
+        assert value is buffers[name]
+        assert np.array_equal(value, want)
+    # A buffer the kernel cannot write directly (Fortran order) still receives the gradient.
+    fortran = {"weight": np.asfortranarray(np.zeros_like(w))}
+    got = _run(pnn.conv, args, kwargs, "numba", out=fortran)
+    assert got[2] is fortran["weight"] and np.array_equal(got[2], expected[2])
+
+
+@pytest.mark.parametrize("act, kept", [("identity", None), ("relu", "y"), ("tanh", "y"), ("gelu", "z")])
+def test_conv_residuals_are_modest(act, kept):
+    """No im2col buffer is kept: the (padded) input, the weight matrix and y or z only."""
+    from portable_nn.api.conv import _prepare_conv
+
+    (x, w, b), kwargs = _conv_data(GEOMS["lenet-like"], "first", np.float32)
+    call = _prepare_conv(x, w, b, activation=act, **kwargs).call.replace(save=True)
+    (y,), (xp, w3, kept_array, _, _) = kc.conv_forward(call)
+    assert np.shares_memory(xp, x)  # no padding here: the input itself
+    assert w3.size == w.size
+    if kept is None:
+        assert kept_array is None
+    elif kept == "y":
+        assert kept_array is y
+    else:
+        assert kept_array.shape == y.shape and not np.shares_memory(kept_array, y)
+
+
+@pytest.mark.parametrize("x_shape, w_shape", [((2, 3, 0), (4, 3, 3)), ((2, 3, 5), (0, 3, 2)), ((2, 0, 5), (4, 0, 2))],
+                         ids=["no-input-positions", "no-output-channels", "no-input-channels"])
+def test_conv_empty_extents(x_shape, w_shape):
+    x = np.zeros(x_shape, np.float64)
+    w = np.random.default_rng(0).standard_normal(w_shape)
+    b = np.arange(float(w_shape[0]))
+    kwargs = {"padding": 2, "activation": "sigmoid"}
+    got = _run(pnn.conv, (x, w, b), kwargs, "numba")
+    expected = _run(pnn.conv, (x, w, b), kwargs, "reference")
+    for a, e in zip(got, expected):
+        assert a.shape == e.shape
+        assert rel_err(a, e) <= 1e-12
+
+
+def test_conv_strided_input_is_copied_and_correct():
+    (x, w, b), kwargs = _conv_data(GEOMS["2d-s2-d2-g2-pad"], "first", np.float64)
+    strided = np.repeat(x, 2, axis=-1)[..., ::2]
+    assert pnn.explain(pnn.conv, strided, w, b, **kwargs).copies == ["x"]
+    got = _run(pnn.conv, (strided, w, b), kwargs, "numba")
+    expected = _run(pnn.conv, (x, w, b), kwargs, "reference")
+    for a, e in zip(got, expected):
+        assert rel_err(a, e) <= 1e-12
+
+
+# --------------------------------------------------------------------------- dense
+
+
+def _dense_data(lead, n_in, n_out, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((*lead, n_in)).astype(dtype)
+    w = (rng.standard_normal((n_out, n_in)) / np.sqrt(max(n_in, 1))).astype(dtype)
+    b = (rng.standard_normal(n_out) * 0.5).astype(dtype)
+    return x, w, b
+
+
+def test_auto_picks_numba_for_dense():
+    x, w, b = _dense_data((4,), 5, 3, np.float32)
+    assert pnn.explain(pnn.dense, x, w, b).backend == "numba"
+
+
+@pytest.mark.parametrize("act", ["identity", "relu", ("leaky_relu", 0.2), "gelu", "sigmoid"])
+@pytest.mark.parametrize("lead", [(), (7,), (3, 5), (0,)])
+def test_dense_float64_matches_reference(lead, act, path):
+    x, w, b = _dense_data(lead, 6, 4, np.float64)
+    got = _run(pnn.dense, (x, w, b), {"activation": act}, "numba")
+    expected = _run(pnn.dense, (x, w, b), {"activation": act}, "reference")
+    for name, a, e in zip(("y", "dx", "dweight", "dbias"), got, expected):
+        assert a.shape == e.shape and a.dtype == e.dtype, name
+        assert rel_err(a, e) <= 1e-12, f"{name}: {rel_err(a, e):.2e}"
+
+
+def test_dense_mlp_layer_float32(path):
+    """MLP-sized float32 layers (the serial path's workload) against the float64 reference."""
+    x, w, b = _dense_data((16,), 784, 32, np.float32)
+    got = _run(pnn.dense, (x, w, b), {"activation": "relu"}, "numba", wrt=("weight", "bias"))
+    expected = _run(pnn.dense, [a.astype(np.float64) for a in (x, w, b)], {"activation": "relu"}, "reference")
+    assert got[1] is None
+    for name, a, e in zip(("y", "dweight", "dbias"), (got[0], got[2], got[3]), (expected[0], *expected[2:])):
+        assert a.dtype == np.float32 and rel_err(a, e) <= 1e-5, name
+
+
+@pytest.mark.parametrize("wrt", [("x",), ("weight",), ("bias",)])
+def test_dense_partial_gradients(wrt, path):
+    x, w, b = _dense_data((5,), 6, 3, np.float64)
+    got = _run(pnn.dense, (x, w, b), {"activation": "silu"}, "numba", wrt=wrt)
+    expected = _run(pnn.dense, (x, w, b), {"activation": "silu"}, "reference")
+    for name, a, e in zip(("y", "x", "weight", "bias"), got, expected):
+        if name != "y" and name not in wrt:
+            assert a is None
+        else:
+            assert rel_err(a, e) <= 1e-12, name
+
+
+def test_dense_bitwise_deterministic(path):
+    x, w, b = _dense_data((33, 9), 17, 11, np.float32)
+    first, second = (_run(pnn.dense, (x, w, b), {"activation": "gelu"}, "numba") for _ in range(2))
+    for a, c in zip(first, second):
+        assert np.array_equal(a, c)
+
+
+def test_dense_out_buffers_written_in_place(path):
+    x, w, b = _dense_data((3, 4), 6, 5, np.float32)
+    expected = _run(pnn.dense, (x, w, b), {"activation": "relu"}, "numba")
+    buffers = {"x": np.full_like(x, np.nan), "weight": np.full_like(w, np.nan), "bias": np.full_like(b, np.nan)}
+    got = _run(pnn.dense, (x, w, b), {"activation": "relu"}, "numba", out=buffers)
+    for name, value, want in zip(("x", "weight", "bias"), got[1:], expected[1:]):
+        assert value is buffers[name]
+        assert np.array_equal(value, want)
+
+
+@pytest.mark.parametrize("act, kept", [("identity", None), ("relu", "y"), ("silu", "z")])
+def test_dense_residuals(act, kept):
+    from portable_nn.api.dense import _prepare_dense
+
+    x, w, b = _dense_data((4,), 5, 3, np.float32)
+    call = _prepare_dense(x, w, b, activation=act).call.replace(save=True)
+    (y,), (x2, _, kept_array, *_) = kd.dense_forward(call)
+    assert np.shares_memory(x2, x)
+    if kept is None:
+        assert kept_array is None
+    elif kept == "y":
+        assert np.shares_memory(kept_array, y)
+    else:
+        np.testing.assert_allclose(kept_array, x @ w.T + b, rtol=1e-6, atol=1e-6)
