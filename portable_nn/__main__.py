@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmark every backend against PyTorch (fwd, bwd, fwd+bwd)")
     bench.add_argument("--ops", help="comma-separated ops or workload names (default: all)")
     bench.add_argument("--quick", action="store_true", help="small shapes, few repeats (a smoke test)")
+    bench.add_argument("--no-cold", action="store_true",
+                       help="skip the cold-compile measurement (tens of seconds per op, empty cache)")
     bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     bench.add_argument("--plot", metavar="PATH", help="also draw the ratios to PyTorch (needs matplotlib)")
     args = parser.parse_args(argv)

@@ -165,7 +165,8 @@ def _cpu_probe() -> dispatch.Call:
     return dispatch.Call("probe", {}, {}, xp=xp, family="numpy", device="cpu", dtype="float32")
 
 
-def run_suite(ops: list[str] | None = None, quick: bool = False, progress: bool = True) -> Report:
+def run_suite(ops: list[str] | None = None, quick: bool = False, progress: bool = True,
+              cold: bool = True) -> Report:
     """Measure every selected workload; returns the :class:`Report`."""
     _threads(2)
     report = Report(_environment(), _copy_bandwidth(quick), quick=quick)
@@ -200,7 +201,7 @@ def run_suite(ops: list[str] | None = None, quick: bool = False, progress: bool 
             report.rows.append(row)
     if progress:
         _progress(total, total, "done")
-    report.first_call = _first_call_latency(selected, quick)
+    report.first_call = _first_call_latency(selected, quick or not cold)
     return report
 
 
@@ -314,12 +315,17 @@ def main(args: Any) -> int:
         env = {**os.environ, **_PROCESS_ENV, _MARK: "1"}
         return subprocess.call([sys.executable, "-m", "portable_nn", *sys.argv[1:]], env=env)
     ops = args.ops.split(",") if args.ops else None
-    report = run_suite(ops, quick=args.quick)
+    report = run_suite(ops, quick=args.quick, cold=not getattr(args, "no_cold", False))
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"environment": report.environment, "copy_gbps": report.copy_gbps,
                        "rows": [r.__dict__ for r in report.rows], "first_call": report.first_call}, fh, indent=2)
     if args.plot:
-        _plot(report, args.plot)
+        try:
+            _plot(report, args.plot)
+        except ImportError:
+            print(f"--plot {args.plot}: needs matplotlib (pip install 'portable_nn[examples]' or matplotlib)",
+                  file=sys.stderr)
+            return 2
     return 0
