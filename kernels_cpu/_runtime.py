@@ -99,3 +99,25 @@ def parallel_section() -> Iterator[None]:
             yield
     else:
         yield
+
+
+def run_sized(parallel_kernel, serial_kernel, parallel: bool, *args) -> None:
+    """Run the parallel kernel (under :func:`parallel_section`) when ``parallel``, else the serial one.
+
+    Each module decides ``parallel`` from its own size threshold (PERFORMANCE.md §6: the thread
+    pool costs more than it saves below ~50 us of work).
+    """
+    if not parallel:
+        serial_kernel(*args)
+        return
+    with parallel_section():
+        parallel_kernel(*args)
+
+
+def into(out, name, value):
+    """``value`` as the gradient ``name``: copied into the caller's ``out`` buffer when one is given."""
+    buffer = out.get(name)
+    if buffer is None or buffer is value:
+        return value
+    buffer[...] = value
+    return buffer

@@ -58,6 +58,7 @@ from numba import njit, prange
 from portable_nn.reference.activations import keeps_output_only
 
 from . import _runtime
+from ._runtime import into as _into
 from .activations import act, act_grad
 
 LANES = 16
@@ -611,10 +612,3 @@ def _weight_gradient(dwp, plan, call):
         total = total.reshape(o, taps, cg).transpose(0, 2, 1)
     return np.ascontiguousarray(total.reshape((o, cg, *call.kernel)), dtype=dwp.dtype)
 
-
-def _into(out, name, value):
-    buffer = out.get(name)
-    if buffer is None or buffer is value:
-        return value
-    buffer[...] = value
-    return buffer

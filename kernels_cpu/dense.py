@@ -29,6 +29,7 @@ from numba import njit, prange
 from portable_nn.reference.activations import keeps_output_only
 
 from . import _runtime
+from ._runtime import into as _into
 from .conv import apply_kind, deriv_kind, rectifier_slope
 
 _OPTS = {"cache": True, "error_model": "numpy", "nogil": True}
@@ -223,10 +224,3 @@ def dense_backward(residuals, cotangents, needs, out=None):
         grads["bias"] = _into(out, "bias", db.astype(dtype))
     return grads
 
-
-def _into(out, name, value):
-    buffer = out.get(name)
-    if buffer is None or buffer is value:
-        return value
-    buffer[...] = value
-    return buffer

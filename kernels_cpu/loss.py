@@ -57,6 +57,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from . import _runtime
+from ._runtime import into as _into
 
 # FMA contraction only: results stay deterministic (same code, same order), and the
 # polynomial and the Cody–Waite reduction get both faster and more accurate.
@@ -632,12 +633,8 @@ def _tasks(M, Q):
 
 
 def _run(parallel_kernel, serial_kernel, size, *args):
-    """Serial below PARALLEL_MIN_ELEMENTS, else the parallel kernel under the threading policy."""
-    if size < PARALLEL_MIN_ELEMENTS:
-        serial_kernel(*args)
-        return
-    with _runtime.parallel_section():
-        parallel_kernel(*args)
+    """Serial below PARALLEL_MIN_ELEMENTS (read at call time, so tests can move it), else parallel."""
+    _runtime.run_sized(parallel_kernel, serial_kernel, size >= PARALLEL_MIN_ELEMENTS, *args)
 
 
 def _flat(a, dtype):
@@ -651,13 +648,6 @@ def _buffer(out, name, shape, dtype):
         return buffer
     return np.empty(shape, dtype)
 
-
-def _into(out, name, value):
-    buffer = out.get(name)
-    if buffer is None or buffer is value:
-        return value
-    buffer[...] = value
-    return buffer
 
 
 def log_softmax_forward(call):

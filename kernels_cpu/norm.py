@@ -37,6 +37,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import _runtime
+from ._runtime import into as _into
 from .activations import act, act_grad
 
 _OPTS = {"cache": True, "error_model": "numpy", "nogil": True}
@@ -555,12 +556,8 @@ def _flat_param(p, fill, size, dtype):
 
 
 def _run(parallel_kernel, serial_kernel, size, *args):
-    """Serial below PARALLEL_MIN_ELEMENTS, else the parallel kernel under the threading policy."""
-    if size < PARALLEL_MIN_ELEMENTS:
-        serial_kernel(*args)
-        return
-    with _runtime.parallel_section():
-        parallel_kernel(*args)
+    """Serial below PARALLEL_MIN_ELEMENTS (read at call time, so tests can move it), else parallel."""
+    _runtime.run_sized(parallel_kernel, serial_kernel, size >= PARALLEL_MIN_ELEMENTS, *args)
 
 
 def norm_forward(call):
@@ -642,10 +639,3 @@ def norm_backward(residuals, cotangents, needs, out=None):
         grads["bias"] = _into(out, "bias", db.astype(x.dtype).reshape(call.bias.shape))
     return grads
 
-
-def _into(out, name, value):
-    buffer = out.get(name)
-    if buffer is None or buffer is value:
-        return value
-    buffer[...] = value
-    return buffer

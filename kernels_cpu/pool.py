@@ -65,6 +65,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import _runtime
+from ._runtime import into as _into
 
 _OPTS = {"cache": True, "error_model": "numpy", "nogil": True}
 #: Element visits (output size × window size + input size) below which a call runs serially:
@@ -561,12 +562,8 @@ class _Plan:
 
 
 def _run(parallel_kernel, serial_kernel, work, *args):
-    """Serial below PARALLEL_MIN_WORK, else the parallel kernel under the threading policy."""
-    if work < PARALLEL_MIN_WORK:
-        serial_kernel(*args)
-        return
-    with _runtime.parallel_section():
-        parallel_kernel(*args)
+    """Serial below PARALLEL_MIN_WORK (read at call time, so tests can move it), else parallel."""
+    _runtime.run_sized(parallel_kernel, serial_kernel, work >= PARALLEL_MIN_WORK, *args)
 
 
 def _work(plan, x_size, y_size):
@@ -636,10 +633,3 @@ def pool_backward(residuals, cotangents, needs, out=None):
              plan.pairs)
     return {"x": _into(out, "x", dx)}
 
-
-def _into(out, name, value):
-    buffer = out.get(name)
-    if buffer is None or buffer is value:
-        return value
-    buffer[...] = value
-    return buffer
