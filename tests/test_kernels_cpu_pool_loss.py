@@ -153,7 +153,7 @@ def test_pool_matches_reference_float64(path, geom, layout):
     _check_path(path, "_forward_parallel", "_backward_parallel")
 
 
-def test_pool_float32_matches_reference_and_keeps_dtype(path):
+def test_pool_float32_matches_reference_and_keeps_dtype():
     x = _pool_input((9, 7), "last", True, seed=3).astype(np.float32)
     for op in (pnn.max_pool, pnn.avg_pool):
         y, grads = _run("numba", op, (x,), dict(window=3, stride=2, padding=1, channel_axis=-1))
