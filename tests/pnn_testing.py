@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -244,3 +245,22 @@ def unchanged(arrays: Iterable[Any], before: list[Any]) -> bool:
         (a is None and b is None) or np.array_equal(to_numpy(a), b, equal_nan=True)
         for a, b in zip(arrays, before)
     )
+
+
+def run_in_threads(body: Callable[[], None], threads: int = 4) -> None:
+    """Run ``body`` in ``threads`` Python threads at once; re-raise the first failure in the caller."""
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            body()
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    pool = [threading.Thread(target=worker) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    if errors:
+        raise errors[0]

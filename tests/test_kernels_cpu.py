@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
 
 import portable_nn as pnn
-from pnn_testing import HAS_TORCH
+from pnn_testing import HAS_TORCH, run_in_threads
 
 pytestmark = pytest.mark.skipif(not pnn.available_backends()["numba"], reason="numba not installed")
 
@@ -117,21 +116,12 @@ def test_concurrent_calls_from_threads_are_safe():
     x = _data((64, 32, 40))
     w, b = np.ones(32, np.float32), np.zeros(32, np.float32)
     expected = pnn.batch_norm(x, w, b)
-    errors = []
 
-    def worker():
-        try:
-            for _ in range(5):
-                assert np.array_equal(pnn.batch_norm(x, w, b), expected)
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+    def body():
+        for _ in range(5):
+            assert np.array_equal(pnn.batch_norm(x, w, b), expected)
 
-    threads = [threading.Thread(target=worker) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    run_in_threads(body)
 
 
 def test_threading_layer_policy_in_a_fresh_process():

@@ -7,13 +7,11 @@ include every backend that declares the recurrent ops (numba among them, forced)
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
 import portable_nn as pnn
-from pnn_testing import HAS_TORCH
+from pnn_testing import HAS_TORCH, run_in_threads
 
 pytestmark = pytest.mark.skipif(not pnn.available_backends()["numba"], reason="numba not installed")
 
@@ -260,22 +258,13 @@ def test_bitwise_deterministic_and_matching_the_reference(kind, kw, size):
 def test_concurrent_calls_from_threads_agree():
     p = _problem("gru", dtype=np.float32, n=16, hs=8)
     expected, _ = _sequence("gru", p, "numba")
-    errors = []
 
-    def worker():
-        try:
-            for _ in range(3):
-                got, _ = _sequence("gru", p, "numba")
-                assert all(np.array_equal(a, b) for a, b in zip(got, expected))
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+    def body():
+        for _ in range(3):
+            got, _ = _sequence("gru", p, "numba")
+            assert all(np.array_equal(a, b) for a, b in zip(got, expected))
 
-    threads = [threading.Thread(target=worker) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    run_in_threads(body)
 
 
 def test_one_compiled_specialisation_per_dtype():
