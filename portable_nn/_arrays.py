@@ -140,6 +140,55 @@ def from_numpy_like(result: Any, like_family: str) -> Any:
     return torch.from_numpy(result)
 
 
+def to_cupy_view(x: Any) -> Any:
+    """A zero-copy CuPy view of a CUDA torch tensor (or ``x`` itself if CuPy).
+
+    bfloat16 goes through DLPack when CuPy knows the type (CuPy >= 14 with
+    ``ml_dtypes``); otherwise the tensor's bits are shared as a ``uint16`` view,
+    which is how the GPU kernels read bfloat16 in any case.
+    """
+    if family(x) != "torch":
+        return x
+    import cupy
+    import torch
+
+    t = x.detach()
+    if t.dtype == torch.bfloat16:
+        try:
+            return cupy.from_dlpack(t)
+        except (TypeError, NotImplementedError, BufferError, ValueError):
+            return cupy.from_dlpack(t.view(torch.uint16))
+    return cupy.from_dlpack(t)
+
+
+def from_cupy_like(result: Any, like_family: str, like_dtype: str | None = None) -> Any:
+    """Wrap a CuPy array produced by a kernel back into ``like_family`` without a copy.
+
+    ``like_dtype="bfloat16"`` re-types a ``uint16`` result (bfloat16 bits, see
+    :func:`to_cupy_view`) as a bfloat16 tensor.
+    """
+    if result is None or like_family != "torch":
+        return result
+    import torch
+
+    if str(result.dtype) == "uint16" and like_dtype == "bfloat16":
+        return torch.from_dlpack(result).view(torch.bfloat16)
+    if str(result.dtype) == "bfloat16":
+        try:
+            return torch.from_dlpack(result)
+        except (TypeError, NotImplementedError, BufferError, ValueError):
+            import cupy
+
+            return torch.from_dlpack(result.view(cupy.uint16)).view(torch.bfloat16)
+    return torch.from_dlpack(result)
+
+
+def cuda_index(device: str) -> int:
+    """The ordinal of a ``"cuda:N"`` device string (0 for a bare ``"cuda"``)."""
+    _, _, index = device.partition(":")
+    return int(index) if index.isdigit() else 0
+
+
 def ascontiguous(x: Any) -> Any:
     """A C-contiguous version of ``x`` (a copy only when needed)."""
     fam = family(x)

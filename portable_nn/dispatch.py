@@ -16,19 +16,25 @@ checks that declaration (kernel bodies never re-check) and either
 
 Kernels that work on NumPy arrays declare ``native="numpy"``; dispatch then
 hands them zero-copy NumPy views of CPU torch tensors and wraps their results
-back into tensors, so torch users get the CPU kernels without a copy.
+back into tensors, so torch users get the CPU kernels without a copy.  GPU
+kernels declare ``native="cupy"`` and get zero-copy CuPy views of CUDA torch
+tensors, run on torch's current stream (:class:`Bridge`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes.util
 import importlib
 import importlib.util
 import inspect
+import json
+import os
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from . import _arrays, config
@@ -162,7 +168,10 @@ class Support:
         check: optional ``check(call) -> str | None`` returning why the call is
             declined (sizes, argument values), or ``None`` to accept.
         native: ``"numpy"`` if the kernel body works on NumPy arrays: CPU torch
-            tensors then reach it as zero-copy NumPy views.
+            tensors then reach it as zero-copy NumPy views; ``"cupy"`` if it works
+            on CuPy arrays: CUDA torch tensors reach it as zero-copy CuPy views
+            (bfloat16 as ``uint16`` bits when CuPy lacks the type), run on
+            torch's current stream, and its results return as tensors.
         description: one line for the capability table (sizes, limits).
     """
 
@@ -378,9 +387,62 @@ def implementations(op: str) -> list[Implementation]:
         _load_providers()
         with _registry_lock:
             impls = list(_registry.get(op, []))
-        ordered = tuple(sorted(impls, key=lambda i: (i.backend == "reference", -i.priority)))
+        ordered = tuple(sorted(impls, key=lambda i: (i.backend == "reference", -_effective_priority(i, impls))))
         _sorted[op] = ordered
     return list(ordered)
+
+
+# --------------------------------------------------------------------------- measured GPU preference
+
+#: The two GPU backends' static order under ``auto`` comes from their registered
+#: priorities; ``python -m portable_nn gpu-check --save-preference`` replaces it per op
+#: with the faster one measured on this machine's GPU, stored in this JSON file.
+PREFERENCE_ENV = "PORTABLE_NN_GPU_PREFERENCE"
+_preference: dict[str, str] | None = None
+
+
+def preference_path() -> Path:
+    """Where the measured GPU preference lives (``$PORTABLE_NN_GPU_PREFERENCE`` or the user cache)."""
+    env = os.environ.get(PREFERENCE_ENV)
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "portable_nn" / "gpu_preference.json"
+
+
+def gpu_preference() -> dict[str, str]:
+    """``{op: backend}`` measured by ``gpu-check`` (empty: the static order applies)."""
+    global _preference
+    if _preference is None:
+        try:
+            data = json.loads(preference_path().read_text())
+            prefs = data.get("preference", {}) if isinstance(data, dict) else {}
+            _preference = {op: b for op, b in prefs.items() if op in OPS and isinstance(b, str)}
+        except (OSError, ValueError):
+            _preference = {}
+    return _preference
+
+
+def save_gpu_preference(preference: Mapping[str, str], measured_on: str) -> Path:
+    """Store ``{op: backend}`` as the ``auto`` order between GPU backends; returns the file."""
+    global _preference
+    unknown = [op for op in preference if op not in OPS]
+    if unknown:
+        raise ValueError(f"save_gpu_preference: unknown ops {unknown}")
+    path = preference_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"measured_on": measured_on, "preference": dict(preference)}, indent=2))
+    with _registry_lock:
+        _preference = dict(preference)
+        _forget_choices()
+    return path
+
+
+def _effective_priority(impl: Implementation, impls: list[Implementation]) -> float:
+    """A built-in kernel measured fastest for its op ranks just above every other built-in one."""
+    if impl.origin == "builtin" and gpu_preference().get(impl.op) == impl.backend:
+        return max(i.priority for i in impls if i.origin == "builtin") + 0.5
+    return impl.priority
 
 
 def op_names() -> tuple[str, ...]:
@@ -592,11 +654,22 @@ def _report_fallback(call: Call, impl: Implementation, passed: list[tuple[str, s
 
 
 class Bridge:
-    """Moves arrays between the caller's library and an implementation's native one."""
+    """Moves arrays between the caller's library and an implementation's native one.
 
-    def __init__(self, family: str, native: str | None) -> None:
-        self.active = native == "numpy" and family == "torch"
+    Two bridges exist, both zero-copy: CPU torch tensors to NumPy views for
+    ``native="numpy"`` kernels, and CUDA torch tensors to CuPy views for
+    ``native="cupy"`` kernels.  A CuPy-native kernel runs inside
+    :meth:`context`: the arrays' device is current and, for torch tensors,
+    CuPy's current stream is torch's current stream, so the kernels order
+    themselves with the caller's PyTorch work without a synchronisation.
+    """
+
+    def __init__(self, family: str, native: str | None, device: str = "cpu", dtype: str | None = None) -> None:
         self.family = family
+        self.native = native
+        self.device = device
+        self.dtype = dtype
+        self.active = family == "torch" and native in ("numpy", "cupy")
 
     def inward(self, value: Any) -> Any:
         if not self.active or value is None:
@@ -605,6 +678,8 @@ class Bridge:
             return type(value)(self.inward(v) for v in value)
         if not _arrays.is_array(value):
             return value
+        if self.native == "cupy":
+            return _arrays.to_cupy_view(value)
         return _arrays.to_numpy_view(value)
 
     def outward(self, value: Any) -> Any:
@@ -614,7 +689,35 @@ class Bridge:
             return tuple(self.outward(v) for v in value)
         if isinstance(value, list):
             return [self.outward(v) for v in value]
+        if self.native == "cupy":
+            return _arrays.from_cupy_like(value, self.family, self.dtype)
         return _arrays.from_numpy_like(value, self.family)
+
+    def native_namespace(self) -> Any:
+        """The array-API namespace the kernel sees for bridged arrays."""
+        if self.native == "cupy":
+            import array_api_compat.cupy as cp_xp
+
+            return cp_xp
+        import array_api_compat.numpy as np_xp
+
+        return np_xp
+
+    def context(self) -> Any:
+        """Where a CuPy-native kernel runs: the arrays' device and, for torch, torch's stream."""
+        if self.native != "cupy" or _arrays.device_kind(self.device) != "cuda":
+            return contextlib.nullcontext()
+        import cupy
+
+        stack = contextlib.ExitStack()
+        index = _arrays.cuda_index(self.device)
+        stack.enter_context(cupy.cuda.Device(index))
+        if self.family == "torch":
+            import torch
+
+            stream = torch.cuda.current_stream(index)
+            stack.enter_context(cupy.cuda.ExternalStream(stream.cuda_stream, index))
+        return stack
 
 
 def _bridge_call(call: Call, selection: Selection, bridge: Bridge, save: bool) -> Call:
@@ -623,10 +726,8 @@ def _bridge_call(call: Call, selection: Selection, bridge: Bridge, save: bool) -
     for name in selection.copies:
         arrays[name] = _arrays.ascontiguous(arrays[name])
     if bridge.active:
-        import array_api_compat.numpy as np_xp
-
         arrays = {k: bridge.inward(v) for k, v in arrays.items()}
-        return call.replace(arrays=arrays, xp=np_xp, family="numpy", save=save)
+        return call.replace(arrays=arrays, xp=bridge.native_namespace(), family=bridge.native, save=save)
     return call.replace(arrays=arrays, save=save)
 
 
@@ -665,7 +766,7 @@ class Executed:
             raise BackendUnavailableError(f"{self.impl.backend} has no backward for {self.impl.op}")
         cts = tuple(self.bridge.inward(c) for c in cotangents)
         buffers = {k: self.bridge.inward(v) for k, v in out.items() if v is not None}
-        with _NoGrad(self.family):
+        with _NoGrad(self.family), self.bridge.context():
             grads = fn(self.residuals, cts, needs, buffers)
         return {k: self.bridge.outward(v) for k, v in grads.items()}
 
@@ -674,9 +775,9 @@ def run(call: Call, need_backward: bool = False) -> Executed:
     """Select an implementation for ``call`` and run its forward."""
     selection = select(call, need_backward)
     impl = selection.impl
-    bridge = Bridge(call.family, impl.supports.native)
+    bridge = Bridge(call.family, impl.supports.native, call.device, call.dtype)
     inner = _bridge_call(call, selection, bridge, need_backward)
-    with _NoGrad(call.family):
+    with _NoGrad(call.family), bridge.context():
         outputs, residuals = impl.forward_fn()(inner)
     return Executed(bridge.outward(tuple(outputs)), residuals, impl, bridge, call.family)
 
@@ -770,6 +871,8 @@ def capabilities() -> list[dict[str, str]]:
                 notes.append("copies strided input to C order")
             if s.native == "numpy":
                 notes.append("torch CPU tensors zero-copy")
+            elif s.native == "cupy":
+                notes.append("torch CUDA tensors zero-copy, on torch's stream")
             if impl.backward is None:
                 notes.append("forward only")
             if s.description:

@@ -24,12 +24,36 @@ from portable_nn import dispatch
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 HAS_STRICT = importlib.util.find_spec("array_api_strict") is not None
 
-#: Array libraries the suite runs on this machine (CPU only; GPU tests are marked ``gpu``).
+
+
+def _gpu_libs() -> tuple[str, ...]:
+    """``cupy`` and ``torch_cuda`` (CUDA torch tensors) when CuPy sees a device."""
+    if importlib.util.find_spec("cupy") is None:
+        return ()
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return ()
+    except Exception:
+        return ()
+    libs = ["cupy"]
+    if HAS_TORCH:
+        import torch
+
+        if torch.cuda.is_available():
+            libs.append("torch_cuda")
+    return tuple(libs)
+
+
+#: Array libraries on the CPU, always tested.
 ARRAY_LIBS = tuple(
     name
     for name, present in (("numpy", True), ("torch", HAS_TORCH), ("array_api_strict", HAS_STRICT))
     if present
 )
+#: Array libraries on a CUDA device (their cases are marked ``gpu``; empty without a device).
+GPU_LIBS = _gpu_libs()
 
 #: Relative tolerance (norm-wise) per dtype, against a float64 oracle.
 TOL = {"float64": 1e-10, "float32": 2e-5, "float16": 5e-3, "bfloat16": 3e-2}
@@ -61,10 +85,15 @@ class Case:
         a = np.asarray(a)
         if self.lib == "numpy":
             return a.astype(dtype)
-        if self.lib == "torch":
+        if self.lib in ("torch", "torch_cuda"):
             import torch
 
-            return torch.tensor(a, dtype=getattr(torch, dtype))
+            device = "cuda" if self.lib == "torch_cuda" else "cpu"
+            return torch.tensor(a, dtype=getattr(torch, dtype), device=device)
+        if self.lib == "cupy":
+            import cupy
+
+            return cupy.asarray(a.astype(dtype))
         import array_api_strict as xps
 
         return xps.asarray(a, dtype=getattr(xps, dtype))
@@ -91,18 +120,24 @@ def to_numpy(a: Any) -> Any:
         import array_api_strict as xps
 
         return np.asarray(xps.astype(a, xps.float64)._array)
+    if mod == "cupy":
+        return a.astype("float64").get()
     return np.asarray(a, dtype=np.float64)
 
 
 def family_of(a: Any) -> str:
-    return type(a).__module__.split(".")[0]
+    """The :class:`Case` library name of an array (``torch_cuda`` for CUDA tensors)."""
+    mod = type(a).__module__.split(".")[0]
+    if mod == "torch" and a.device.type == "cuda":
+        return "torch_cuda"
+    return mod
 
 
 def _lib_dtypes(lib: str, mixed: bool) -> list[tuple[str, str | None]]:
     out: list[tuple[str, str | None]] = [("float32", None), ("float64", None)]
-    if mixed and lib == "torch":
+    if mixed and lib in ("torch", "torch_cuda"):
         out += [("float16", "float32"), ("bfloat16", "float32")]
-    if mixed and lib == "numpy":
+    if mixed and lib in ("numpy", "cupy"):
         out += [("float16", "float32")]
     return out
 
@@ -114,11 +149,12 @@ def cases(op: str, *, mixed: bool = True, libs: Sequence[str] | None = None) -> 
         if not dispatch.backend_status(impl.backend):
             continue
         s = impl.supports
-        for lib in libs or ARRAY_LIBS:
-            fam = "numpy" if lib == "numpy" else lib
+        for lib in libs or ARRAY_LIBS + GPU_LIBS:
+            on_gpu = lib in GPU_LIBS
+            fam = "torch" if lib == "torch_cuda" else lib
             if s.families is not None and fam not in s.families:
                 continue
-            if s.devices is not None and "cpu" not in s.devices:
+            if s.devices is not None and ("cuda" if on_gpu else "cpu") not in s.devices:
                 continue
             for dtype, pdt in _lib_dtypes(lib, mixed):
                 if s.dtypes is not None and dtype not in s.dtypes:
@@ -126,7 +162,8 @@ def cases(op: str, *, mixed: bool = True, libs: Sequence[str] | None = None) -> 
                 if pdt and not s.mixed_precision:
                     continue
                 case = Case(lib, impl.backend, dtype, pdt)
-                params.append(pytest.param(case, id=case.id))
+                marks = (pytest.mark.gpu,) if on_gpu else ()
+                params.append(pytest.param(case, id=case.id, marks=marks))
     return params
 
 

@@ -110,7 +110,7 @@ def assert_like(a: Any, like: Any, what: str) -> None:
     assert family_of(a) == family_of(like), f"{what}: {family_of(a)} result for {family_of(like)} input"
     assert a.dtype == like.dtype, f"{what}: dtype {a.dtype} != {like.dtype}"
     assert tuple(a.shape) == tuple(like.shape), f"{what}: shape {tuple(a.shape)} != {tuple(like.shape)}"
-    if family_of(a) == "torch":
+    if family_of(a) in ("torch", "torch_cuda"):
         assert not a.requires_grad, f"{what} has autograd history"
 
 

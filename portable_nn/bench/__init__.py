@@ -63,6 +63,7 @@ class Report:
     rows: list[Row] = field(default_factory=list)
     first_call: dict[str, dict[str, float]] = field(default_factory=dict)
     quick: bool = False
+    notes: list[str] = field(default_factory=list)  # what could not be measured, and why
 
 
 def _threads(n: int) -> None:

@@ -9,6 +9,9 @@ compute-bound ones.
 
 Models (LeNet-5, the MLP) chain ``pnn.vjp`` pullbacks by hand, as a user
 without an autograd library would; their "gradient" is the fwd+bwd phase.
+
+A :class:`Placement` says where the data lives: NumPy arrays and CPU tensors for
+``bench``, CuPy arrays and CUDA tensors (any floating dtype) for ``gpu-check``.
 """
 
 from __future__ import annotations
@@ -32,11 +35,57 @@ class Cases:
     bytes_moved: dict[str, int]
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a workload's arrays live and their floating dtype.
+
+    portable_nn gets NumPy arrays on the CPU and CuPy arrays on a GPU (bfloat16,
+    which CuPy may lack, as CUDA torch tensors); PyTorch gets tensors on the
+    same device.  Norm parameters stay float32 for portable_nn (its mixed-precision
+    form) and take the data's dtype for PyTorch (its fused path).
+    """
+
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def array(self, a: np.ndarray, dtype: str | None = None) -> Any:
+        """``a`` as a portable_nn input (integer arrays keep their dtype)."""
+        if a.dtype.kind in "iu":
+            dtype = a.dtype.name
+        dtype = dtype or self.dtype
+        if not self.on_gpu:
+            return a.astype(dtype, copy=False)
+        if dtype == "bfloat16":
+            return self.tensor(a, dtype=dtype)
+        import cupy
+
+        return cupy.asarray(a.astype(dtype, copy=False))
+
+    def tensor(self, a: np.ndarray, grad: bool = False, dtype: str | None = None) -> Any:
+        """``a`` as a torch tensor on this device (integer arrays keep their dtype)."""
+        import torch
+
+        if a.dtype.kind in "iu":
+            return torch.tensor(a, device=self.device)
+        return torch.tensor(a, dtype=getattr(torch, dtype or self.dtype), device=self.device, requires_grad=grad)
+
+    def nbytes(self, a: np.ndarray) -> int:
+        """Bytes of ``a`` in this placement's dtype."""
+        return a.size * (2 if self.dtype in ("float16", "bfloat16") else np.dtype(self.dtype).itemsize)
+
+
+CPU = Placement()
+
+
 @dataclass
 class Workload:
     name: str
     ops: tuple[str, ...]
-    build: Callable[[bool], Cases]
+    build: Callable[..., Cases]  # build(quick, place=CPU)
 
     @property
     def op(self) -> str:
@@ -119,10 +168,8 @@ def _torch_phases(forward: Callable[[], Any], inputs: Sequence[Any], dy: Any = N
     return phases
 
 
-def _tensors(*arrays: np.ndarray, grad: bool = True) -> list[Any]:
-    import torch
-
-    return [torch.tensor(a, requires_grad=grad) for a in arrays]
+def _tensors(place: Placement, *arrays: np.ndarray, grad: bool = True) -> list[Any]:
+    return [place.tensor(a, grad) for a in arrays]
 
 
 # --------------------------------------------------------------------------- norms
@@ -130,20 +177,20 @@ def _tensors(*arrays: np.ndarray, grad: bool = True) -> list[Any]:
 
 def _norm_workload(name: str, op: str, shape: tuple[int, ...], quick_shape: tuple[int, ...],
                    channels_of: Callable[[tuple[int, ...]], int], extra: tuple = ()) -> Workload:
-    def build(quick: bool) -> Cases:
+    def build(quick: bool, place: Placement = CPU) -> Cases:
         s = quick_shape if quick else shape
         rng = _rng()
         x, dy = _randn(rng, *s), _randn(rng, *s)
         c = channels_of(s)
         w, b = np.ones(c, np.float32), np.zeros(c, np.float32)
         fn = getattr(pnn, op)
-        args = (x, *extra, w) if op == "rms_norm" else (x, *extra, w, b)
+        xp, dyp, wp, bp = place.array(x), place.array(dy), place.array(w, "float32"), place.array(b, "float32")
+        args = (xp, *extra, wp) if op == "rms_norm" else (xp, *extra, wp, bp)
 
         def torch_cases() -> Phases:
-            import torch
             import torch.nn.functional as F
 
-            xt, wt, bt = _tensors(x, w, b)
+            xt, wt, bt = _tensors(place, x, w, b)
             forward = {
                 "layer_norm": lambda: F.layer_norm(xt, (c,), wt, bt),
                 "rms_norm": lambda: F.rms_norm(xt, (c,), wt, eps=1e-6),
@@ -152,10 +199,10 @@ def _norm_workload(name: str, op: str, shape: tuple[int, ...], quick_shape: tupl
                 "instance_norm": lambda: F.instance_norm(xt, weight=wt, bias=bt),
             }[op]
             inputs = (xt, wt) if op == "rms_norm" else (xt, wt, bt)
-            return _torch_phases(forward, inputs, torch.tensor(dy))
+            return _torch_phases(forward, inputs, place.tensor(dy))
 
-        n = x.nbytes
-        return Cases(lambda be: _op_phases(be, fn, args, {}, dy), torch_cases,
+        n = place.nbytes(x)
+        return Cases(lambda be: _op_phases(be, fn, args, {}, dyp), torch_cases,
                      {"fwd": 2 * n, "bwd": 3 * n, "fwd+bwd": 5 * n})
 
     return Workload(name, (op,), build)
@@ -178,7 +225,7 @@ def _sequence_workload(op: str) -> Workload:
     """2-layer LSTM/GRU over a whole sequence (I=H=64, N=256, T=50) vs ``nn.LSTM``/``nn.GRU``."""
     gates = {"lstm": 4, "gru": 3}[op]
 
-    def build(quick: bool) -> Cases:
+    def build(quick: bool, place: Placement = CPU) -> Cases:
         t, n, h, layers = (10, 32, 64, 2) if quick else (50, 256, 64, 2)
         rng = _rng()
         x, dy = _randn(rng, t, n, h), _randn(rng, t, n, h)
@@ -186,8 +233,8 @@ def _sequence_workload(op: str) -> Workload:
         fn = getattr(pnn, op)
 
         def portable(backend: str) -> Phases:
-            cot = (dy, None)
-            return _op_phases(backend, fn, (x, params), {}, cot)
+            placed = [tuple(place.array(p) for p in layer) for layer in params]
+            return _op_phases(backend, fn, (place.array(x), placed), {}, (place.array(dy), None))
 
         def torch_cases() -> Phases:
             import torch
@@ -198,8 +245,9 @@ def _sequence_workload(op: str) -> Workload:
                     for attr, value in (("weight_ih", w_ih), ("weight_hh", w_hh), ("bias_ih", b_ih),
                                         ("bias_hh", b_hh)):
                         getattr(module, f"{attr}_l{layer}").copy_(torch.from_numpy(value))
-            (xt,) = _tensors(x)
-            return _torch_phases(lambda: module(xt)[0], (xt, *module.parameters()), torch.tensor(dy))
+            module = module.to(device=place.device, dtype=getattr(torch, place.dtype))
+            (xt,) = _tensors(place, x)
+            return _torch_phases(lambda: module(xt)[0], (xt, *module.parameters()), place.tensor(dy))
 
         return Cases(portable, torch_cases, {})
 
@@ -210,29 +258,30 @@ def _cell_workload(op: str) -> Workload:
     """One LSTM/GRU cell step at N=256, I=H=64 (mostly elementwise work around two small GEMMs)."""
     gates = {"lstm_cell": 4, "gru_cell": 3}[op]
 
-    def build(quick: bool) -> Cases:
+    def build(quick: bool, place: Placement = CPU) -> Cases:
         n, h = (32, 64) if quick else (256, 64)
         rng = _rng()
         x, h0, c0 = _randn(rng, n, h), _randn(rng, n, h), _randn(rng, n, h)
         ((w_ih, w_hh, b_ih, b_hh),) = _rnn_params(rng, gates, h, h, 1)
         dh, dc = _randn(rng, n, h), _randn(rng, n, h)
         if op == "lstm_cell":
-            args, cot = (x, h0, c0, w_ih, w_hh, b_ih, b_hh), (dh, dc)
+            args, cot = (x, h0, c0, w_ih, w_hh, b_ih, b_hh), (place.array(dh), place.array(dc))
         else:
-            args, cot = (x, h0, w_ih, w_hh, b_ih, b_hh), dh
+            args, cot = (x, h0, w_ih, w_hh, b_ih, b_hh), place.array(dh)
+        placed = tuple(place.array(a) for a in args)
 
         def torch_cases() -> Phases:
             import torch
 
-            ts = _tensors(*args)
+            ts = _tensors(place, *args)
             if op == "lstm_cell":
                 xt, ht, ct, *wt = ts
                 forward = lambda: torch.lstm_cell(xt, (ht, ct), *wt)  # noqa: E731
-                return _torch_phases(forward, ts, (torch.tensor(dh), torch.tensor(dc)))
+                return _torch_phases(forward, ts, (place.tensor(dh), place.tensor(dc)))
             xt, ht, *wt = ts
-            return _torch_phases(lambda: torch.gru_cell(xt, ht, *wt), ts, torch.tensor(dh))
+            return _torch_phases(lambda: torch.gru_cell(xt, ht, *wt), ts, place.tensor(dh))
 
-        return Cases(lambda be: _op_phases(be, getattr(pnn, op), args, {}, cot), torch_cases, {})
+        return Cases(lambda be: _op_phases(be, getattr(pnn, op), placed, {}, cot), torch_cases, {})
 
     return Workload(f"{op} N=256 I=H=64", (op,), build)
 
@@ -243,73 +292,74 @@ def _cell_workload(op: str) -> Workload:
 def _conv_workload(name: str, x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> Workload:
     """conv + bias + relu (one fused call) vs ``F.relu(F.conv2d(...))``."""
 
-    def build(quick: bool) -> Cases:
+    def build(quick: bool, place: Placement = CPU) -> Cases:
         xs = (16, *x_shape[1:]) if quick else x_shape
         rng = _rng()
         x, w, b = _randn(rng, *xs), _randn(rng, *w_shape, scale=0.2), _randn(rng, w_shape[0], scale=0.1)
         out_hw = [s - k + 1 for s, k in zip(xs[2:], w_shape[2:])]
         dy = _randn(rng, xs[0], w_shape[0], *out_hw)
+        args, dyp = tuple(place.array(a) for a in (x, w, b)), place.array(dy)
 
         def torch_cases() -> Phases:
-            import torch
             import torch.nn.functional as F
 
-            xt, wt, bt = _tensors(x, w, b)
-            return _torch_phases(lambda: F.relu(F.conv2d(xt, wt, bt)), (xt, wt, bt), torch.tensor(dy))
+            xt, wt, bt = _tensors(place, x, w, b)
+            return _torch_phases(lambda: F.relu(F.conv2d(xt, wt, bt)), (xt, wt, bt), place.tensor(dy))
 
-        portable = lambda be: _op_phases(be, pnn.conv, (x, w, b), {"activation": "relu"}, dy)  # noqa: E731
+        portable = lambda be: _op_phases(be, pnn.conv, args, {"activation": "relu"}, dyp)  # noqa: E731
         return Cases(portable, torch_cases, {})
 
     return Workload(name, ("conv",), build)
 
 
 def _pool_workload(op: str) -> Workload:
-    def build(quick: bool) -> Cases:
+    def build(quick: bool, place: Placement = CPU) -> Cases:
         shape = (16, 6, 24, 24) if quick else (128, 6, 24, 24)
         rng = _rng()
         x = _randn(rng, *shape)
         dy = _randn(rng, shape[0], shape[1], shape[2] // 2, shape[3] // 2)
         fn = getattr(pnn, op)
+        xp, dyp = place.array(x), place.array(dy)
 
         def torch_cases() -> Phases:
-            import torch
             import torch.nn.functional as F
 
-            (xt,) = _tensors(x)
+            (xt,) = _tensors(place, x)
             tfn = {"max_pool": F.max_pool2d, "avg_pool": F.avg_pool2d}[op]
-            return _torch_phases(lambda: tfn(xt, 2), (xt,), torch.tensor(dy))
+            return _torch_phases(lambda: tfn(xt, 2), (xt,), place.tensor(dy))
 
-        n, m = x.nbytes, dy.nbytes
-        return Cases(lambda be: _op_phases(be, fn, (x, 2), {}, dy), torch_cases,
+        n, m = place.nbytes(x), place.nbytes(dy)
+        return Cases(lambda be: _op_phases(be, fn, (xp, 2), {}, dyp), torch_cases,
                      {"fwd": n + m, "bwd": m + n, "fwd+bwd": 2 * (n + m)})
 
     return Workload(f"{op} 2x2 (128,6,24,24)", (op,), build)
 
 
 def _loss_workload(op: str) -> Workload:
-    def build(quick: bool) -> Cases:
+    def build(quick: bool, place: Placement = CPU) -> Cases:
         n, c = (256, 1000) if quick else (4096, 1000)
         rng = _rng()
         logits = _randn(rng, n, c)
+        size = place.nbytes(logits)
         if op == "log_softmax":
             args, kwargs, dy = (logits,), {"axis": -1}, _randn(rng, n, c)
-            moved = {"fwd": 2 * logits.nbytes, "bwd": 3 * logits.nbytes, "fwd+bwd": 5 * logits.nbytes}
+            moved = {"fwd": 2 * size, "bwd": 3 * size, "fwd+bwd": 5 * size}
         else:
             target = rng.integers(0, c, n)
             args, kwargs, dy = (logits, target), {}, np.ones((), np.float32)
-            moved = {"fwd": logits.nbytes, "bwd": 2 * logits.nbytes, "fwd+bwd": 3 * logits.nbytes}
+            moved = {"fwd": size, "bwd": 2 * size, "fwd+bwd": 3 * size}
+        placed, dyp = tuple(place.array(a) for a in args), place.array(dy)
 
         def torch_cases() -> Phases:
-            import torch
             import torch.nn.functional as F
 
-            (lt,) = _tensors(logits)
+            (lt,) = _tensors(place, logits)
             if op == "log_softmax":
-                return _torch_phases(lambda: F.log_softmax(lt, -1), (lt,), torch.tensor(dy))
-            tt = torch.tensor(args[1])
-            return _torch_phases(lambda: F.cross_entropy(lt, tt), (lt,), torch.tensor(1.0))
+                return _torch_phases(lambda: F.log_softmax(lt, -1), (lt,), place.tensor(dy))
+            tt = place.tensor(args[1])
+            return _torch_phases(lambda: F.cross_entropy(lt, tt), (lt,), place.tensor(np.ones((), np.float32)))
 
-        portable = lambda be: _op_phases(be, getattr(pnn, op), args, kwargs, dy, wrt=("logits",) if  # noqa: E731
+        portable = lambda be: _op_phases(be, getattr(pnn, op), placed, kwargs, dyp, wrt=("logits",) if  # noqa: E731
                                          op == "cross_entropy" else None)
         return Cases(portable, torch_cases, moved)
 
@@ -357,19 +407,29 @@ def _model_gradient(layers: Sequence[Layer | str], x: Any) -> list[Any]:
     return grads
 
 
+def _place_layers(layers: Sequence[Layer | str], place: Placement) -> list[Layer | str]:
+    """The layers with their parameter arrays placed (other parameters, like a pool size, kept)."""
+    return [
+        layer if layer == FLATTEN else
+        (layer[0], tuple(place.array(p) if isinstance(p, np.ndarray) else p for p in layer[1]), *layer[2:])
+        for layer in layers
+    ]
+
+
 def _model_workload(name: str, ops: tuple[str, ...], make: Callable[[bool], tuple[Any, list, Callable]]) -> Workload:
     """A model's forward and parameter gradient; ``make(quick)`` gives (x, layers, torch forward maker)."""
 
-    def build(quick: bool) -> Cases:
+    def build(quick: bool, place: Placement = CPU) -> Cases:
         x, layers, torch_forward = make(quick)
+        xp, placed = place.array(x), _place_layers(layers, place)
 
         def portable(backend: str) -> Phases:
-            return _portable_phases(backend, lambda: _model_forward(layers, x), lambda: _model_gradient(layers, x))
+            return _portable_phases(backend, lambda: _model_forward(placed, xp), lambda: _model_gradient(placed, xp))
 
         def torch_cases() -> Phases:
-            (xt,) = _tensors(x, grad=False)
+            (xt,) = _tensors(place, x, grad=False)
             arrays = [p for layer in layers if layer != FLATTEN for p in layer[1] if isinstance(p, np.ndarray)]
-            params = _tensors(*arrays)
+            params = _tensors(place, *arrays)
             return _torch_phases(lambda: torch_forward(xt, params), params, loss=lambda y: (y * y).sum())
 
         return Cases(portable, torch_cases, {})
