@@ -31,7 +31,7 @@ def act(z, code, slope):
     if code == 0:
         return z
     if code == 1:
-        return z if z > 0.0 else 0.0 * z
+        return z if not (z <= 0.0) else 0.0  # +0.0 like PyTorch; NaN propagates
     if code == 2:
         return sigmoid(z)
     if code == 3:

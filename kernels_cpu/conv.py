@@ -186,7 +186,7 @@ def apply_kind(v, kind, code, slope):
     if kind == 0:
         return v
     if kind == 1:
-        return v if v > 0.0 else slope * v
+        return v if v > 0.0 else slope * v + 0.0  # + 0.0: relu gives +0.0, as PyTorch does, not -0.0
     return _act_any(v, code, slope)
 
 

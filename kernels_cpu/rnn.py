@@ -75,6 +75,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
+from . import _runtime  # noqa: F401  (drops cached kernels when a sibling source changed)
+
 # ``contract`` lets LLVM fuse a*b + c into one FMA: it shortens the polynomials and is at
 # least as accurate (measured: the float32 LSTM cell pass 124 -> 97 us).  Helpers are inlined
 # into the two kernels (``_INLINE``), so each dtype compiles two units: ~16 s cold per dtype

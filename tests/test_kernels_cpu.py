@@ -155,3 +155,37 @@ def test_user_threading_layer_is_respected():
                          env={**os.environ, **env})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "workqueue"
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "dense"])
+def test_numba_relu_gives_positive_zero_and_propagates_nan(op):
+    """relu(z <= 0) is +0.0 as in PyTorch and the reference (not -0.0); relu(NaN) is NaN."""
+    with pnn.use_backend("numba"):
+        if op == "layer_norm":
+            y = pnn.layer_norm(np.array([[-3.0, -1.0, 2.0, 5.0]]), activation="relu")
+        else:
+            bias = np.array([0.0, 0.0, 0.0, np.nan])
+            y = pnn.dense(np.array([[-3.0, -1.0, 2.0, 1.0]]), np.eye(4), bias, activation="relu")
+    zeros = y[y == 0.0]
+    assert zeros.size and not np.signbit(zeros).any()
+    if op == "dense":
+        assert np.isnan(y[0, 3])
+
+
+def test_cached_kernels_are_dropped_when_any_sibling_source_changes(tmp_path):
+    """Numba checks a cached kernel against its own file only; kernels inline sibling modules."""
+    from kernels_cpu import _runtime
+
+    (tmp_path / "kernels.py").write_text("x = 1\n")
+    (tmp_path / "helpers.py").write_text("y = 1\n")
+    cache = tmp_path / "__pycache__"
+    cache.mkdir()
+    (cache / "kernels.f-1.py311.nbi").write_text("stale")
+    assert _runtime.drop_stale_cache(str(tmp_path / "kernels.py"))  # no fingerprint yet: dropped
+    assert not list(cache.glob("*.nbi"))
+    (cache / "kernels.f-1.py311.nbi").write_text("fresh")
+    assert not _runtime.drop_stale_cache(str(tmp_path / "kernels.py"))  # unchanged sources: kept
+    assert list(cache.glob("*.nbi"))
+    (tmp_path / "helpers.py").write_text("y = 22\n")  # a sibling, not the kernel's own file
+    assert _runtime.drop_stale_cache(str(tmp_path / "kernels.py"))
+    assert not list(cache.glob("*.nbi"))

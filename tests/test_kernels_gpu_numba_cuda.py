@@ -1,0 +1,272 @@
+"""Numba-CUDA kernels (backend ``"numba_cuda"``), verified without a GPU and, where one is, on it.
+
+* declarations: what the backend registers, that importing it loads neither numba.cuda nor
+  cupy, and that a machine without a GPU reports it unavailable;
+* PTX: every kernel compiles with ``numba.cuda.compile_ptx`` for every dtype variant's explicit
+  signature at sm_80, and at sm_90 (float32 variants by default, all with ``-m slow``);
+* simulator: ``tests/_numba_cuda_sim_checks.py`` runs every case in a subprocess with
+  ``NUMBA_ENABLE_CUDASIM=1`` (whole launch path on NumPy arrays, tiny blocks so the multi-block
+  and second-pass paths run) and each case's outputs and gradients must match the reference;
+* ``-m gpu``: each op and gradient forced onto ``numba_cuda`` with CuPy arrays, compared with
+  the float64 reference on the host, with ``explain`` confirming the backend.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import portable_nn as pnn
+from portable_nn import dispatch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import _numba_cuda_sim_checks as sim  # noqa: E402
+
+HAS_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
+needs_numba_cuda = pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is not installed")
+
+NORMS = ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm")
+#: Ops the backend declares (the others fall back under auto, raise when forced).
+DECLARED = (*NORMS, "log_softmax")
+#: Ops not implemented on this backend yet: forcing it must raise, never run something else.
+UNDECLARED = ("moments", "rnn_cell", "lstm_cell", "gru_cell", "rnn", "lstm", "gru", "conv", "dense", "max_pool",
+              "avg_pool", "cross_entropy")
+
+
+# --------------------------------------------------------------------------- declarations
+
+
+@pytest.mark.parametrize("op", DECLARED)
+def test_declared_support(op):
+    impl = next(i for i in dispatch.implementations(op) if i.backend == "numba_cuda")
+    s = impl.supports
+    assert s.families == ("cupy", "torch") and s.devices == ("cuda",) and s.native == "cupy"
+    assert impl.backward is not None and s.contiguous
+    assert set(s.dtypes) == {"float16", "bfloat16", "float32", "float64"}
+    if op in NORMS:
+        assert s.mixed_precision
+
+
+@pytest.mark.parametrize("op", UNDECLARED)
+def test_undeclared_ops_have_no_numba_cuda_kernel(op):
+    assert all(i.backend != "numba_cuda" for i in dispatch.implementations(op))
+
+
+def test_import_loads_neither_numba_cuda_nor_cupy():
+    code = (
+        "import sys, portable_nn as pnn, kernels_gpu.numba_cuda\n"
+        "from portable_nn import dispatch\n"
+        "assert any(i.backend == 'numba_cuda' for i in dispatch.implementations('layer_norm'))\n"
+        "bad = [m for m in ('numba.cuda', 'cupy', 'numba_cuda') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=HERE.parent, timeout=120)
+
+
+def test_without_a_gpu_forcing_raises_and_auto_falls_back():
+    if pnn.available_backends()["numba_cuda"]:
+        pytest.skip("a GPU is available here")
+    x = np.ones((2, 3), np.float32)
+    with pnn.use_backend("numba_cuda"), pytest.raises(pnn.BackendUnavailableError, match="numba_cuda"):
+        pnn.layer_norm(x)
+    assert pnn.explain(pnn.layer_norm, x).backend != "numba_cuda"
+
+
+# --------------------------------------------------------------------------- PTX
+
+
+def _kernel_specs():
+    if not HAS_NUMBA_CUDA:
+        return []
+    from kernels_gpu.numba_cuda import _runtime, loss, norm  # noqa: F401  (modules declare their kernels)
+
+    return list(_runtime.KERNELS)
+
+
+_SPECS = _kernel_specs()
+
+
+def _ptx_params():
+    params = []
+    for spec in _SPECS:
+        for sig in spec.signatures:
+            variant = sig[sig.index("(") + 1:].split("[")[0]
+            params.append(pytest.param(spec, sig, (8, 0), id=f"{spec.name.rsplit('.', 1)[1]}-{variant}-sm80"))
+            mark = () if variant == "float32" else (pytest.mark.slow,)
+            params.append(pytest.param(spec, sig, (9, 0), marks=mark,
+                                       id=f"{spec.name.rsplit('.', 1)[1]}-{variant}-sm90-{len(params)}"))
+    return params
+
+
+@pytest.fixture
+def target_device(monkeypatch):
+    """numba-cuda compiles device functions for the *current* device while typing a kernel; without a
+    driver there is none, so a stand-in with the target compute capability answers instead."""
+    import numba.cuda.dispatcher as dispatcher
+
+    class Target:
+        compute_capability = (8, 0)
+
+    monkeypatch.setattr(dispatcher, "get_current_device", lambda: Target)
+    return Target
+
+
+@needs_numba_cuda
+@pytest.mark.parametrize(("spec", "signature", "cc"), _ptx_params())
+def test_kernel_compiles_to_ptx(spec, signature, cc, target_device):
+    from numba import cuda
+
+    target_device.compute_capability = cc
+    ptx, _ = cuda.compile_ptx(spec.py_func, signature, cc=cc)
+    assert f".target sm_{cc[0]}{cc[1]}" in ptx
+    assert ".entry" in ptx
+
+
+def test_every_kernel_is_declared_with_signatures():
+    if not HAS_NUMBA_CUDA:
+        pytest.skip("numba-cuda is not installed")
+    names = [s.name for s in _SPECS]
+    assert len(names) == len(set(names))
+    for spec in _SPECS:
+        assert spec.signatures, spec.name
+    assert any(n.endswith("norm._row_forward") for n in names)
+    assert any(n.endswith("loss._lsm_backward") for n in names)
+
+
+# --------------------------------------------------------------------------- simulator
+
+
+@pytest.fixture(scope="module")
+def simulator_results():
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
+    proc = subprocess.run([sys.executable, str(HERE / "_numba_cuda_sim_checks.py")], capture_output=True, text=True,
+                          env=env, cwd=HERE.parent, timeout=900)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            results[r["id"]] = r
+    if proc.returncode != 0 or not results:
+        pytest.fail(f"simulator run failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return results
+
+
+@needs_numba_cuda
+@pytest.mark.parametrize("case_id", sim.CASES)
+def test_simulator_matches_reference(case_id, simulator_results):
+    r = simulator_results.get(case_id)
+    assert r is not None, f"{case_id} did not report"
+    assert "error" not in r, r.get("traceback", r.get("error"))
+    bad = {k: v for k, v in r["errors"].items() if not v <= r["tol"]}
+    assert not bad, f"relative errors above {r['tol']:.0e}: {bad}"
+
+
+@needs_numba_cuda
+def test_simulator_covers_every_norm_path(simulator_results):
+    paths = {p for r in simulator_results.values() for p in r.get("paths", ())}
+    assert {"row", "seg", "column"} <= paths
+
+
+# --------------------------------------------------------------------------- on a GPU
+
+
+def _gpu_norm_args(op, rng, dtype, layout):
+    x = rng.standard_normal((4, 6, 5)) + 2.0
+    c = 6 if layout == "channels_first" else 5
+    axis = 1 if layout == "channels_first" else -1
+    w, b = rng.standard_normal(c), rng.standard_normal(c)
+    if op == "layer_norm":
+        return (x, rng.standard_normal(5), rng.standard_normal(5)), {"activation": "gelu"}
+    if op == "rms_norm":
+        return (x, rng.standard_normal(5)), {}
+    if op == "group_norm":
+        return (x, 3 if layout == "channels_first" else 5, w, b), {"channel_axis": axis, "activation": "silu"}
+    kw = {"channel_axis": axis, "running_mean": rng.standard_normal(c), "running_var": rng.random(c) + 0.5,
+          "return_stats": True}
+    return (x, w, b), kw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize("layout", ["channels_first", "channels_last"])
+@pytest.mark.parametrize("op", NORMS)
+def test_gpu_norms_match_reference(op, layout, dtype):
+    import cupy
+
+    rng = np.random.default_rng(0)
+    args, kw = _gpu_norm_args(op, rng, dtype, layout)
+    pdt = "float32" if dtype == "float16" else dtype
+
+    def on_gpu(a, dt):
+        return cupy.asarray(np.asarray(a).astype(dt)) if isinstance(a, np.ndarray) else a
+
+    gargs = [on_gpu(args[0], dtype)] + [on_gpu(a, pdt) for a in args[1:]]
+    gkw = {k: on_gpu(v, pdt) for k, v in kw.items()}
+    hargs = [np.asarray(cupy.asnumpy(a), np.float64) if isinstance(a, cupy.ndarray) else a for a in gargs]
+    hkw = {k: (np.asarray(cupy.asnumpy(v), np.float64) if isinstance(v, cupy.ndarray) else v) for k, v in gkw.items()}
+    fn = getattr(pnn, op)
+    with pnn.use_backend("numba_cuda"):
+        assert pnn.explain(fn, *gargs, **gkw).backend == "numba_cuda"
+        y, pullback = pnn.vjp(fn, *gargs, **gkw)
+        dy = rng.standard_normal(tuple(gargs[0].shape))
+        grads = pullback(cupy.asarray(dy.astype(dtype)))
+    with pnn.use_backend("reference"):
+        y_ref, pull_ref = pnn.vjp(fn, *hargs, **hkw)
+        g_ref = pull_ref(np.asarray(dy.astype(dtype), np.float64))
+    tol = {"float64": 1e-10, "float32": 1e-4, "float16": 5e-3}[dtype]
+    outs = y if isinstance(y, tuple) else (y,)
+    refs = y_ref if isinstance(y_ref, tuple) else (y_ref,)
+    for a, e in zip(outs, refs):
+        assert sim.rel(cupy.asnumpy(a).astype(np.float64), e) <= tol
+    for name in g_ref._fields:
+        e = getattr(g_ref, name)
+        if e is not None:
+            assert sim.rel(cupy.asnumpy(getattr(grads, name)).astype(np.float64), e) <= 10 * tol, name
+
+
+@pytest.mark.gpu
+def test_gpu_bfloat16_torch_layer_norm():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    rng = np.random.default_rng(0)
+    x = torch.tensor(rng.standard_normal((8, 64)), dtype=torch.bfloat16, device="cuda")
+    w = torch.tensor(rng.standard_normal(64), dtype=torch.float32, device="cuda")
+    b = torch.tensor(rng.standard_normal(64), dtype=torch.float32, device="cuda")
+    with pnn.use_backend("numba_cuda"):
+        assert pnn.explain(pnn.layer_norm, x, w, b).backend == "numba_cuda"
+        y = pnn.layer_norm(x, w, b)
+    expected = torch.nn.functional.layer_norm(x.double(), (64,), w.double(), b.double())
+    assert y.dtype == torch.bfloat16
+    assert sim.rel(y.double().cpu().numpy(), expected.cpu().numpy()) <= 1.6e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize(("shape", "axis"), [((5, 37), -1), ((3, 300, 4), 1), ((2050,), 0)])
+def test_gpu_log_softmax_matches_reference(shape, axis, dtype):
+    import cupy
+
+    rng = np.random.default_rng(0)
+    x = (3.0 * rng.standard_normal(shape)).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    gx = cupy.asarray(x)
+    with pnn.use_backend("numba_cuda"):
+        assert pnn.explain(pnn.log_softmax, gx, axis=axis).backend == "numba_cuda"
+        y, pullback = pnn.vjp(pnn.log_softmax, gx, axis=axis)
+        (dx,) = pullback(cupy.asarray(dy))
+    with pnn.use_backend("reference"):
+        y_ref, pull_ref = pnn.vjp(pnn.log_softmax, x.astype(np.float64), axis=axis)
+        (dx_ref,) = pull_ref(dy.astype(np.float64))
+    tol = {"float64": 1e-12, "float32": 1e-5, "float16": 2e-3}[dtype]
+    assert sim.rel(cupy.asnumpy(y).astype(np.float64), y_ref) <= tol
+    assert sim.rel(cupy.asnumpy(dx).astype(np.float64), dx_ref) <= tol
