@@ -1,0 +1,129 @@
+"""CUDA C kernels launched through CuPy RawModule (backend ``"cupy"``).
+
+Importing this package only declares the kernels to dispatch: it must not import CuPy.  The
+``"module:function"`` strings are resolved on first use; each family's ``.cu`` source is
+compiled by NVRTC (through CuPy, cached on disk by CuPy) the first time one of its kernels runs
+on a device.  Launchers take CuPy arrays; dispatch hands them zero-copy CuPy views of CUDA torch
+tensors (bfloat16 as ``uint16`` bits) and runs them on torch's current stream.
+"""
+
+from __future__ import annotations
+
+from portable_nn.dispatch import Support, register_builtin
+
+#: What every CUDA C kernel takes: CuPy arrays and CUDA torch tensors, C-contiguous (strided
+#: input is copied, and ``explain`` reports the copy).
+GPU_SUPPORT = dict(
+    families=("cupy", "torch"),
+    devices=("cuda",),
+    contiguous=True,
+    native="cupy",
+)
+CUPY_PRIORITY = 4
+
+
+def _pool_check(call):
+    """max_pool keeps int32 argmax positions within a plane."""
+    positions = 1
+    for size in call.in_size:
+        positions *= size
+    return None if positions < 2**31 else "keeps int32 argmax positions: planes of 2**31 positions or more"
+
+
+for _op in ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm"):
+    register_builtin(
+        _op,
+        "cupy",
+        forward="kernels_gpu.cuda_c.norm:norm_forward",
+        backward="kernels_gpu.cuda_c.norm:norm_backward",
+        supports=Support(
+            dtypes=("float32", "float64", "float16", "bfloat16"),
+            layouts=("channels_first", "channels_last"),
+            mixed_precision=True,
+            description="float16/bfloat16 x with float32 statistics (float32 parameters allowed); "
+            "fused activation; deterministic block reductions",
+            **GPU_SUPPORT,
+        ),
+        priority=CUPY_PRIORITY,
+    )
+
+for _op in ("max_pool", "avg_pool"):
+    register_builtin(
+        _op,
+        "cupy",
+        forward="kernels_gpu.cuda_c.pool:pool_forward",
+        backward="kernels_gpu.cuda_c.pool:pool_backward",
+        supports=Support(
+            dtypes=("float32", "float64", "float16", "bfloat16"),
+            layouts=("channels_first", "channels_last"),
+            check=_pool_check,
+            description="1-3-D, batched or not, every stride/padding/dilation/ceil_mode; gather backward",
+            **GPU_SUPPORT,
+        ),
+        priority=CUPY_PRIORITY,
+    )
+
+def _loss_check(call):
+    """ignore_index travels as a long long."""
+    ignore = call.params.get("ignore_index", 0)
+    return None if -(2**63) <= ignore < 2**63 else f"takes an int64 ignore_index, not {ignore}"
+
+
+for _op in ("log_softmax", "cross_entropy"):
+    register_builtin(
+        _op,
+        "cupy",
+        forward=f"kernels_gpu.cuda_c.loss:{_op}_forward",
+        backward=f"kernels_gpu.cuda_c.loss:{_op}_backward",
+        supports=Support(
+            dtypes=("float32", "float64", "float16", "bfloat16"),
+            check=_loss_check if _op == "cross_entropy" else None,
+            description="any class axis; integer or probability targets, weights, ignore_index, smoothing",
+            **GPU_SUPPORT,
+        ),
+        priority=CUPY_PRIORITY,
+    )
+
+register_builtin(
+    "dense",
+    "cupy",
+    forward="kernels_gpu.cuda_c.dense:dense_forward",
+    backward="kernels_gpu.cuda_c.dense:dense_backward",
+    supports=Support(
+        dtypes=("float32", "float64"),
+        mixed_precision=False,
+        description="any leading shape; cuBLAS GEMMs, fused bias+activation epilogue and bias gradient",
+        **GPU_SUPPORT,
+    ),
+    priority=CUPY_PRIORITY,
+)
+
+register_builtin(
+    "conv",
+    "cupy",
+    forward="kernels_gpu.cuda_c.conv:conv_forward",
+    backward="kernels_gpu.cuda_c.conv:conv_backward",
+    supports=Support(
+        dtypes=("float32", "float64"),
+        layouts=("channels_first", "channels_last"),
+        mixed_precision=False,
+        description="1-3-D, batched or not, every stride/padding/dilation/groups; im2col + cuBLAS, gather col2im",
+        **GPU_SUPPORT,
+    ),
+    priority=CUPY_PRIORITY,
+)
+
+for _op in ("rnn_cell", "lstm_cell", "gru_cell"):
+    register_builtin(
+        _op,
+        "cupy",
+        forward="kernels_gpu.cuda_c.rnn:cell_forward",
+        backward="kernels_gpu.cuda_c.rnn:cell_backward",
+        supports=Support(
+            dtypes=("float32", "float64"),
+            mixed_precision=False,
+            description="batched or not, both GRU forms; cuBLAS projections + one fused kernel per pass",
+            **GPU_SUPPORT,
+        ),
+        priority=CUPY_PRIORITY,
+    )

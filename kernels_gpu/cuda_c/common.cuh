@@ -1,0 +1,239 @@
+// Shared device code of the CUDA C kernels (backend "cupy").
+//
+// The launcher (_runtime.py) pastes this header in place of `#include "common.cuh"` before
+// compiling, so the source handed to NVRTC is self-contained and CuPy's compile cache keys on
+// the whole text.  No CUDA header is included: half and bfloat16 are handled as 16-bit storage
+// types converted with PTX instructions (sm_80+), so the sources compile with a bare NVRTC.
+//
+// Conventions shared by every kernel and its launcher (the CI test checks them against the PTX):
+//   pointers        -> device pointers (a null pointer is passed as a 64-bit zero)
+//   sizes, indices  -> long long
+//   flags, codes    -> int
+//   float scalars   -> double (converted to the accumulation type inside)
+#pragma once
+
+// --------------------------------------------------------------------------- storage types
+
+// 16-bit floating storage; arithmetic always happens in float.
+struct __align__(2) pnn_half { unsigned short bits; };
+struct __align__(2) pnn_bf16 { unsigned short bits; };
+
+#ifdef PNN_EMULATE  // the CPU emulator of the tests (emulator.h) converts in C++
+__device__ __forceinline__ float pnn_half_to_float(unsigned short h) { return pnn_emu_half_to_float(h); }
+__device__ __forceinline__ unsigned short pnn_float_to_half(float f) { return pnn_emu_float_to_half(f); }
+__device__ __forceinline__ unsigned short pnn_float_to_bf16(float f) { return pnn_emu_float_to_bf16(f); }
+#else
+__device__ __forceinline__ float pnn_half_to_float(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ unsigned short pnn_float_to_half(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ unsigned short pnn_float_to_bf16(float f) {
+    unsigned short b;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(f));
+    return b;
+}
+
+#endif
+
+__device__ __forceinline__ float pnn_bf16_to_float(unsigned short b) {
+    return __uint_as_float(static_cast<unsigned int>(b) << 16);
+}
+
+// The accumulation type of a storage type: float for float/half/bfloat16, double for double.
+template <class T> struct acc_of { typedef float type; };
+template <> struct acc_of<double> { typedef double type; };
+
+// Load any storage type as its accumulation type (or wider).
+__device__ __forceinline__ float to_acc(float v) { return v; }
+__device__ __forceinline__ double to_acc(double v) { return v; }
+__device__ __forceinline__ float to_acc(pnn_half v) { return pnn_half_to_float(v.bits); }
+__device__ __forceinline__ float to_acc(pnn_bf16 v) { return pnn_bf16_to_float(v.bits); }
+
+// Store an accumulated value into a storage type (round to nearest even).
+template <class T> struct store_as {
+    template <class A> static __device__ __forceinline__ T from(A v) { return static_cast<T>(v); }
+};
+template <> struct store_as<pnn_half> {
+    template <class A> static __device__ __forceinline__ pnn_half from(A v) {
+        pnn_half h;
+        h.bits = pnn_float_to_half(static_cast<float>(v));
+        return h;
+    }
+};
+template <> struct store_as<pnn_bf16> {
+    template <class A> static __device__ __forceinline__ pnn_bf16 from(A v) {
+        pnn_bf16 h;
+        h.bits = pnn_float_to_bf16(static_cast<float>(v));
+        return h;
+    }
+};
+
+template <class T, class A> __device__ __forceinline__ T from_acc(A v) { return store_as<T>::from(v); }
+
+// A parameter value, or `fill` where the parameter is absent (null pointer).
+template <class A, class P> __device__ __forceinline__ A param_or(const P* p, long long j, A fill) {
+    return p ? static_cast<A>(to_acc(p[j])) : fill;
+}
+
+// --------------------------------------------------------------------------- math by type
+
+__device__ __forceinline__ float pnn_exp(float v) { return expf(v); }
+__device__ __forceinline__ double pnn_exp(double v) { return exp(v); }
+__device__ __forceinline__ float pnn_log(float v) { return logf(v); }
+__device__ __forceinline__ double pnn_log(double v) { return log(v); }
+__device__ __forceinline__ float pnn_tanh(float v) { return tanhf(v); }
+__device__ __forceinline__ double pnn_tanh(double v) { return tanh(v); }
+__device__ __forceinline__ float pnn_erf(float v) { return erff(v); }
+__device__ __forceinline__ double pnn_erf(double v) { return erf(v); }
+__device__ __forceinline__ float pnn_sqrt(float v) { return sqrtf(v); }
+__device__ __forceinline__ double pnn_sqrt(double v) { return sqrt(v); }
+__device__ __forceinline__ float pnn_rsqrt(float v) { return rsqrtf(v); }
+__device__ __forceinline__ double pnn_rsqrt(double v) { return rsqrt(v); }
+__device__ __forceinline__ bool pnn_isnan(float v) { return v != v; }
+__device__ __forceinline__ bool pnn_isnan(double v) { return v != v; }
+
+template <class A> __device__ __forceinline__ A pnn_inf() { return static_cast<A>(__int_as_float(0x7f800000)); }
+
+template <class A> __device__ __forceinline__ A sigmoid(A z) {
+    // Never exponentiates a large positive value (no overflow to inf / inf).
+    if (z >= A(0)) return A(1) / (A(1) + pnn_exp(-z));
+    A e = pnn_exp(z);
+    return e / (A(1) + e);
+}
+
+// --------------------------------------------------------------------------- activations
+//
+// Runtime codes of portable_nn.api.activations.ACTIVATIONS: identity 0, relu 1, sigmoid 2,
+// tanh 3, gelu 4 (erf), gelu_tanh 5, silu 6, leaky_relu 7 (with `slope`).
+
+#define PNN_INV_SQRT2 0.70710678118654752440
+#define PNN_INV_SQRT_2PI 0.39894228040143267794
+#define PNN_SQRT_2_OVER_PI 0.79788456080286535588
+#define PNN_GELU_C 0.044715
+
+template <class A> __device__ __forceinline__ A act_fwd(A z, int code, A slope) {
+    switch (code) {
+        case 0: return z;
+        case 1: return z > A(0) ? z : A(0) * z;  // 0 * NaN keeps NaN, like PyTorch
+        case 2: return sigmoid(z);
+        case 3: return pnn_tanh(z);
+        case 4: return A(0.5) * z * (A(1) + pnn_erf(z * A(PNN_INV_SQRT2)));
+        case 5: return A(0.5) * z * (A(1) + pnn_tanh(A(PNN_SQRT_2_OVER_PI) * (z + A(PNN_GELU_C) * z * z * z)));
+        case 6: return z * sigmoid(z);
+        default: return z > A(0) ? z : slope * z;
+    }
+}
+
+// act'(z), with PyTorch's values at kinks (relu'(0) = 0, leaky_relu'(0) = slope).
+template <class A> __device__ __forceinline__ A act_grad(A z, int code, A slope) {
+    switch (code) {
+        case 0: return A(1);
+        case 1: return z > A(0) ? A(1) : A(0);
+        case 2: { A s = sigmoid(z); return s * (A(1) - s); }
+        case 3: { A t = pnn_tanh(z); return A(1) - t * t; }
+        case 4:
+            return A(0.5) * (A(1) + pnn_erf(z * A(PNN_INV_SQRT2))) +
+                   z * A(PNN_INV_SQRT_2PI) * pnn_exp(A(-0.5) * z * z);
+        case 5: {
+            A t = pnn_tanh(A(PNN_SQRT_2_OVER_PI) * (z + A(PNN_GELU_C) * z * z * z));
+            return A(0.5) * (A(1) + t) +
+                   A(0.5) * z * (A(1) - t * t) * A(PNN_SQRT_2_OVER_PI) * (A(1) + A(3.0 * PNN_GELU_C) * z * z);
+        }
+        case 6: { A s = sigmoid(z); return s * (A(1) + z * (A(1) - s)); }
+        default: return z > A(0) ? A(1) : slope;
+    }
+}
+
+// --------------------------------------------------------------------------- block reductions
+//
+// Tree reductions in shared memory, then warp shuffles for the last 32 lanes.  The order of
+// additions depends only on blockDim, so results are bitwise reproducible (no atomics).
+// blockDim.x must be a power of two >= 32 (the launchers check it).  `sh` holds 2 * blockDim.x
+// values of A; the totals are returned to every thread.
+
+template <class A> __device__ __forceinline__ A warp_sum(A v) {
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
+    return v;
+}
+
+template <class A> __device__ void block_sum2(A& a, A& b, A* sh) {
+    const int t = threadIdx.x;
+    const int n = blockDim.x;
+    A* sa = sh;
+    A* sb = sh + n;
+    sa[t] = a;
+    sb[t] = b;
+    __syncthreads();
+    for (int s = n >> 1; s >= 32; s >>= 1) {
+        if (t < s) {
+            sa[t] += sa[t + s];
+            sb[t] += sb[t + s];
+        }
+        __syncthreads();
+    }
+    if (t < 32) {
+        A va = warp_sum(sa[t]);
+        A vb = warp_sum(sb[t]);
+        if (t == 0) {
+            sa[0] = va;
+            sb[0] = vb;
+        }
+    }
+    __syncthreads();
+    a = sa[0];
+    b = sb[0];
+    __syncthreads();  // sh may be reused right away
+}
+
+// Sum of (a, b) over threadIdx.y of a 2-D block (blockDim.y a power of two), per threadIdx.x.
+// Only threads with threadIdx.y == 0 get the totals.  `sh` holds 2 * blockDim.x * blockDim.y values.
+template <class A> __device__ void column_sum2(A& a, A& b, A* sh) {
+    const int bx = blockDim.x, by = blockDim.y;
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    A* sa = sh;
+    A* sb = sh + bx * by;
+    sa[ty * bx + tx] = a;
+    sb[ty * bx + tx] = b;
+    __syncthreads();
+    for (int s = by >> 1; s > 0; s >>= 1) {
+        if (ty < s) {
+            sa[ty * bx + tx] += sa[(ty + s) * bx + tx];
+            sb[ty * bx + tx] += sb[(ty + s) * bx + tx];
+        }
+        __syncthreads();
+    }
+    a = sa[tx];
+    b = sb[tx];
+}
+
+template <class A> __device__ __forceinline__ A* shared_as() {
+    extern __shared__ __align__(16) unsigned char pnn_shared[];
+    return reinterpret_cast<A*>(pnn_shared);
+}
+
+// Max over a block (same shape rules as block_sum2); NaN wins, like PyTorch's max.
+template <class A> __device__ A block_max(A v, A* sh) {
+    const int t = threadIdx.x;
+    const int n = blockDim.x;
+    sh[t] = v;
+    __syncthreads();
+    for (int s = n >> 1; s > 0; s >>= 1) {
+        if (t < s) {
+            A o = sh[t + s];
+            A m = sh[t];
+            sh[t] = (pnn_isnan(m) || m >= o) ? m : o;
+        }
+        __syncthreads();
+    }
+    A r = sh[0];
+    __syncthreads();
+    return r;
+}

@@ -1,0 +1,403 @@
+"""Launchers of the CUDA C norm kernels (``norm.cu``): batch, layer, group, instance and rms norm.
+
+Every norm runs on the canonical view of a C-contiguous ``x`` (the same as the Numba CPU kernels)::
+
+    x4 = x.reshape(nn, pp, cc, qq)        statistics per group (i, c) over (p, q)
+    parameter of element (c, q)  =  c · cg + q // ss
+
+=================  ===============  ========  ====
+norm / layout      (nn, pp, cc, qq)  cg        ss
+=================  ===============  ========  ====
+layer, rms         (M, 1, 1, D)      D         1
+batch, NC…         (1, N, C, L)      1         L
+batch, N…C         (1, N·L, C, 1)    1         1
+instance, NC…      (N, 1, C, L)      1         L
+instance, N…C      (N, L, C, 1)      1         1
+group, NC…         (N, 1, G, k·L)    k = C/G   L
+group, N…C         (N, L, G, k)      k         1
+=================  ===============  ========  ====
+
+:func:`make_plan` picks, from the shape alone, *row mode* (a block per group, or ``splits``
+blocks per group plus a merging pass, for long contiguous runs) or *column mode* (2-D blocks
+along rows of width ``cc·qq`` with per-column partial sums, for short runs such as
+channels-last data).  Forward: statistics (fused with the output in one kernel when one block
+per group suffices), else partial sums → merge → elementwise output.  Backward: group sums of
+``g·w`` and ``g·w·x̂`` → ``dx``; parameter gradients from per-block partials reduced by a
+second kernel.  Every sum has a fixed order (no atomics), so results are reproducible.
+
+Statistics are float32 for float32/float16/bfloat16 data (float64 for float64); ``y`` and ``dx``
+have ``x``'s dtype, parameter gradients the parameters' dtype.  Block sizes and the work
+targets below are module settings, read at call time, so tests can force multi-block paths on
+tiny inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from . import _runtime as rt
+
+FAMILY = "norm"
+
+#: Threads per block of the row-mode kernels (a group, or a split of one, per block).
+BLOCK = 256
+#: (threads along a row, threads along rows) of the column-mode partial-sum kernel.
+COLUMN_BLOCK = (32, 8)
+#: Threads per block of the elementwise and merging kernels.
+APPLY_BLOCK = 256
+#: Blocks a launch should have to fill the device (about 4 per SM of an H100).
+TARGET_BLOCKS = 528
+#: Row mode splits a group over several blocks only when it has more elements than this.
+SPLIT_MIN_ELEMENTS = 4096
+#: Column mode is used when the groups' contiguous runs are shorter than this.
+COLUMN_MODE_BELOW = 32
+
+_ROW_KERNELS = ("norm_fwd_fused", "norm_col_partial", "norm_apply", "norm_bwd_fused", "norm_bwd_partial",
+                "norm_bwd_group_finalize", "norm_bwd_dx", "norm_param_finalize")
+_DATA_KERNELS = ("norm_stats_partial", "norm_stats_finalize")
+
+
+def kernel_names() -> list[str]:
+    """Every instantiation the launcher may use (compiled together as one module)."""
+    names = [f"{k}<{t}, {p}>" for k in _ROW_KERNELS for t, p in rt.TYPE_PAIRS]
+    names += [f"{k}<{t}>" for k in _DATA_KERNELS for t in ("float", "double", "pnn_half", "pnn_bf16")]
+    return names
+
+
+rt.declare(FAMILY, kernel_names())
+
+
+# --------------------------------------------------------------------------- plans (pure Python)
+
+
+def canonical(kind: str, shape: tuple[int, ...], n_axes: int, layout: str | None,
+              groups: int | None) -> tuple[tuple[int, int, int, int], int, int]:
+    """((nn, pp, cc, qq), cg, ss) of a norm on an ``x`` of ``shape`` (see the module table).
+
+    ``n_axes``: the number of normalised trailing axes (layer/rms norm); ``groups``: group_norm's
+    ``num_groups``.
+    """
+    if kind in ("layer_norm", "rms_norm"):
+        lead = len(shape) - n_axes
+        d = math.prod(shape[lead:])
+        return (math.prod(shape[:lead]), 1, 1, d), d, 1
+    n, first = shape[0], layout == "channels_first"
+    ch = shape[1] if first else shape[-1]
+    spatial = math.prod(shape[2:]) if first else math.prod(shape[1:-1])
+    if kind == "batch_norm":
+        return ((1, n, ch, spatial), 1, spatial) if first else ((1, n * spatial, ch, 1), 1, 1)
+    if kind == "instance_norm":
+        return ((n, 1, ch, spatial), 1, spatial) if first else ((n, spatial, ch, 1), 1, 1)
+    per = ch // groups
+    return ((n, 1, groups, per * spatial), per, spatial) if first else ((n, spatial, groups, per), per, 1)
+
+
+@dataclass(frozen=True)
+class NormPlan:
+    """How the kernels walk one norm's canonical view (see the module docstring).
+
+    ``splits``: row-mode blocks per group; ``chunks``/``rows``: column-mode row chunks per ``i``
+    and rows per chunk; ``param_chunks``/``param_rows``: the same over all ``nn·pp`` rows, for
+    the parameter-gradient partials.
+    """
+
+    nn: int
+    pp: int
+    cc: int
+    qq: int
+    cg: int
+    ss: int
+    column: bool
+    splits: int
+    chunks: int
+    rows: int
+    param_chunks: int
+    param_rows: int
+
+    @property
+    def groups(self) -> int:
+        return self.nn * self.cc
+
+    @property
+    def width(self) -> int:
+        return self.cc * self.qq
+
+
+def _row_chunks(rows_total: int, width: int, per_block_rows: int, outer: int) -> tuple[int, int]:
+    """(chunks, rows per chunk) so that ``outer · chunks`` column blocks roughly fill the device."""
+    bx = COLUMN_BLOCK[0]
+    col_blocks = max(1, rt.blocks(width, bx))
+    want = max(1, rt.blocks(TARGET_BLOCKS, col_blocks * max(outer, 1)))
+    most = max(1, rt.blocks(rows_total, per_block_rows))
+    chunks = max(1, min(want, most, 65535 // max(outer, 1)))
+    rows = max(1, rt.blocks(rows_total, chunks))
+    return max(1, rt.blocks(rows_total, rows)), rows
+
+
+def make_plan(geometry: tuple[int, int, int, int], cg: int, ss: int) -> NormPlan:
+    """The plan for a canonical view (pure Python; reads the module settings)."""
+    nn, pp, cc, qq = geometry
+    # Column mode keeps per-sample partials along grid.y, so it needs nn <= 65535.
+    column = qq < COLUMN_MODE_BELOW and pp > 1 and nn <= 65535
+    n = pp * qq
+    groups = nn * cc
+    splits = 1
+    if not column and groups < TARGET_BLOCKS and n > SPLIT_MIN_ELEMENTS:
+        splits = max(1, min(rt.blocks(n, SPLIT_MIN_ELEMENTS), rt.blocks(TARGET_BLOCKS, max(groups, 1)), 65535))
+    chunks, rows = _row_chunks(pp, cc * qq, COLUMN_BLOCK[1], nn) if column else (1, max(pp, 1))
+    param_chunks, param_rows = _row_chunks(nn * pp, cc * qq, COLUMN_BLOCK[1], 1)
+    return NormPlan(nn, pp, cc, qq, cg, ss, column, splits, chunks, rows, param_chunks, param_rows)
+
+
+def plan_of(call: Any) -> NormPlan:
+    """The plan of a norm call."""
+    geometry, cg, ss = canonical(call.kind, tuple(int(v) for v in call.x.shape), len(call.axes), call.layout,
+                                 call.params.get("num_groups"))
+    return make_plan(geometry, cg, ss)
+
+
+# --------------------------------------------------------------------------- launch helpers
+
+
+def _types(call: Any) -> tuple[str, str]:
+    t = rt.ctype(call.dtype)
+    return t, ("float" if call.params.get("mixed_precision") else t)
+
+
+def _apply_grid(plan: NormPlan) -> tuple[int, int]:
+    return rt.blocks(plan.width, APPLY_BLOCK), min(max(plan.nn * plan.pp, 1), 65535)
+
+
+def _geo(plan: NormPlan) -> list:
+    return [rt.i64(plan.nn), rt.i64(plan.pp), rt.i64(plan.cc), rt.i64(plan.qq), rt.i64(plan.cg), rt.i64(plan.ss)]
+
+
+def _shared(threads: int, acc: str) -> int:
+    return 2 * threads * (8 if acc == "float64" else 4)
+
+
+def _column_partials(plan, types, x, dy, w, b, mean, rstd, mode, per_sample, center, act, xp, acc):
+    """Launch norm_col_partial: per-sample partials (nn, chunks, width) or over all rows (param_chunks, width)."""
+    if per_sample:
+        nn_eff, p_eff, chunks, rows = plan.nn, plan.pp, plan.chunks, plan.rows
+    else:
+        nn_eff, p_eff, chunks, rows = 1, plan.nn * plan.pp, plan.param_chunks, plan.param_rows
+    part_a = xp.empty(nn_eff * chunks * plan.width, acc)
+    part_b = xp.empty_like(part_a)
+    bx, by = COLUMN_BLOCK
+    rt.check_block(bx * by, "COLUMN_BLOCK threads")
+    rt.launch(FAMILY, f"norm_col_partial<{types[0]}, {types[1]}>", (rt.blocks(plan.width, bx), nn_eff * chunks),
+              (bx, by),
+              [x, rt.ptr(dy), rt.ptr(w), rt.ptr(b), rt.ptr(mean), rt.ptr(rstd), part_a, part_b, *_geo(plan),
+               rt.i64(nn_eff), rt.i64(p_eff), rt.i64(chunks), rt.i64(rows), rt.i32(mode), rt.i32(center),
+               rt.i32(act.code), rt.f64(act.slope)],
+              _shared(bx * by, acc))
+    return part_a, part_b, nn_eff * chunks
+
+
+def _finalize_grid(plan: NormPlan) -> tuple[int]:
+    return (rt.blocks(plan.groups, APPLY_BLOCK),)
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def _statistics(call, plan, types, x, mean, rstd, var, xp, acc) -> None:
+    """Batch statistics in more than one pass: partial sums, then the merge."""
+    center = bool(call.center)
+    if plan.column:
+        part_a, part_b, _ = _column_partials(plan, types, x, None, None, None, None, None, 0, True, center,
+                                             call.activation, xp, acc)
+        chunks, qp = plan.chunks, plan.qq
+    else:
+        block = rt.check_block(BLOCK, "BLOCK")
+        part_a = xp.empty(plan.groups * plan.splits, acc)
+        part_b = xp.empty_like(part_a)
+        rt.launch(FAMILY, f"norm_stats_partial<{types[0]}>", (plan.groups, plan.splits), (block,),
+                  [x, part_a, part_b, rt.i64(plan.nn), rt.i64(plan.pp), rt.i64(plan.cc), rt.i64(plan.qq),
+                   rt.i64(plan.splits), rt.i32(center)], _shared(block, acc))
+        chunks, qp = plan.splits, 1
+    rt.launch(FAMILY, f"norm_stats_finalize<{types[0]}>", _finalize_grid(plan), (APPLY_BLOCK,),
+              [x, part_a, part_b, mean, rstd, var, rt.i64(plan.nn), rt.i64(plan.pp), rt.i64(plan.cc),
+               rt.i64(plan.qq), rt.i64(chunks), rt.i64(qp), rt.i32(center), rt.f64(call.eps)])
+
+
+def _running_as_float(xp, value, dtype: str, acc: str):
+    """Running statistics as ``acc`` floats (bfloat16 bits in a uint16 array decoded)."""
+    if dtype == "bfloat16" and str(value.dtype) == "uint16":
+        return rt.bf16_bits_to_float(xp, value).astype(acc)
+    return value.astype(acc)
+
+
+def _running_like(xp, value, like, dtype: str):
+    """``value`` (floats) in the dtype of the running statistic ``like``."""
+    if dtype == "bfloat16" and str(like.dtype) == "uint16":
+        return rt.float_to_bf16_bits(xp, value.astype("float32"))
+    return value.astype(like.dtype)
+
+
+def norm_forward(call: Any) -> tuple[tuple[Any, Any, Any], Any]:
+    """Forward of every norm; outputs ``(y, new_running_mean, new_running_var)``."""
+    x = call.x
+    xp = rt.array_module(x)
+    plan = plan_of(call)
+    types = _types(call)
+    acc = rt.acc_dtype(call.dtype)
+    act = call.activation
+    w, b = call.weight, call.bias
+    y = xp.empty_like(x)
+    mean = xp.empty((2, plan.groups), acc)
+    rstd = xp.empty(plan.groups, acc)
+    var = xp.empty(plan.groups, acc)
+    train = bool(call.use_batch_stats)
+    if not train:
+        rm = _running_as_float(xp, call.running_mean, call.dtype, acc)
+        rv = _running_as_float(xp, call.running_var, call.dtype, acc)
+        mean[0].reshape(plan.nn, plan.cc)[...] = rm
+        mean[1] = 0
+        rstd.reshape(plan.nn, plan.cc)[...] = 1.0 / xp.sqrt(rv + call.eps)
+    if x.size == 0:
+        if train:
+            mean[...] = 0
+            var[...] = 0
+            rstd[...] = 1.0 / math.sqrt(call.eps)
+    elif train and not plan.column and plan.splits == 1:
+        block = rt.check_block(BLOCK, "BLOCK")
+        rt.launch(FAMILY, f"norm_fwd_fused<{types[0]}, {types[1]}>", (plan.groups,), (block,),
+                  [x, rt.ptr(w), rt.ptr(b), y, mean, rstd, var, *_geo(plan), rt.i32(1), rt.i32(call.center),
+                   rt.f64(call.eps), rt.i32(act.code), rt.f64(act.slope)], _shared(block, acc))
+    else:
+        if train:
+            _statistics(call, plan, types, x, mean, rstd, var, xp, acc)
+        rt.launch(FAMILY, f"norm_apply<{types[0]}, {types[1]}>", _apply_grid(plan), (APPLY_BLOCK,),
+                  [x, rt.ptr(w), rt.ptr(b), y, mean, rstd, *_geo(plan), rt.i32(act.code), rt.f64(act.slope)])
+    new_rm = new_rv = None
+    if train and call.update_running and x.size > 0:
+        new_rm, new_rv = _updated_running(call, xp, plan, mean, var, acc)
+    residuals = (x, mean, rstd, call, plan) if call.save else None
+    return (y, new_rm, new_rv), residuals
+
+
+def _updated_running(call, xp, plan, mean, var, acc):
+    """PyTorch's momentum update with the unbiased variance (batch-averaged for instance norm)."""
+    n = plan.pp * plan.qq
+    m = call.momentum
+    rm = _running_as_float(xp, call.running_mean, call.dtype, acc)
+    rv = _running_as_float(xp, call.running_var, call.dtype, acc)
+    batch_mean = (mean[0] + mean[1]).reshape(plan.nn, plan.cc).mean(axis=0)
+    batch_var = (var * (n / (n - 1))).reshape(plan.nn, plan.cc).mean(axis=0)
+    return (_running_like(xp, (1.0 - m) * rm + m * batch_mean, call.running_mean, call.dtype),
+            _running_like(xp, (1.0 - m) * rv + m * batch_var, call.running_var, call.dtype))
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def _group_sums(call, plan, types, x, dy, mean, rstd, dx, need_x, xp, acc):
+    """Training backward of the group sums (and dx): returns reusable parameter partials or None.
+
+    The partials come as (part_a, part_b, rows_of_parts, qp, s_eff) for norm_param_finalize.
+    """
+    act = call.activation
+    w, b = call.weight, call.bias
+    center = bool(call.center)
+    if not plan.column and plan.splits == 1:
+        block = rt.check_block(BLOCK, "BLOCK")
+        wfree = plan.cg == 1
+        part_a = xp.empty(plan.groups, acc) if wfree else None
+        part_b = xp.empty(plan.groups, acc) if wfree else None
+        rt.launch(FAMILY, f"norm_bwd_fused<{types[0]}, {types[1]}>", (plan.groups,), (block,),
+                  [x, dy, rt.ptr(w), rt.ptr(b), mean, rstd, rt.ptr(dx), rt.ptr(part_a), rt.ptr(part_b),
+                   *_geo(plan), rt.i32(center), rt.i32(need_x), rt.i32(act.code), rt.f64(act.slope)],
+                  _shared(block, acc))
+        return (part_a, part_b, plan.nn, 1, 1) if wfree else None
+    if plan.column:
+        part_a, part_b, _ = _column_partials(plan, types, x, dy, w, b, mean, rstd, 1, True, center, act, xp, acc)
+        chunks, qp, apply_w = plan.chunks, plan.qq, True
+        reusable = (part_a, part_b, plan.nn * plan.chunks, plan.qq, plan.ss)
+    else:
+        block = rt.check_block(BLOCK, "BLOCK")
+        part_a = xp.empty(plan.groups * plan.splits, acc)
+        part_b = xp.empty_like(part_a)
+        rt.launch(FAMILY, f"norm_bwd_partial<{types[0]}, {types[1]}>", (plan.groups, plan.splits), (block,),
+                  [x, dy, rt.ptr(w), rt.ptr(b), mean, rstd, part_a, part_b, *_geo(plan), rt.i64(plan.splits),
+                   rt.i32(act.code), rt.f64(act.slope)], _shared(block, acc))
+        chunks, qp, apply_w = plan.splits, 1, plan.cg == 1
+        reusable = (part_a, part_b, plan.nn * plan.splits, 1, 1) if plan.cg == 1 else None
+    if need_x:
+        mgw = xp.empty(plan.groups, acc)
+        mgwx = xp.empty(plan.groups, acc)
+        rt.launch(FAMILY, f"norm_bwd_group_finalize<{types[0]}, {types[1]}>", _finalize_grid(plan),
+                  (APPLY_BLOCK,),
+                  [rt.ptr(w), part_a, part_b, mgw, mgwx, *_geo(plan), rt.i64(chunks), rt.i64(qp), rt.i32(apply_w),
+                   rt.i32(center)])
+        rt.launch(FAMILY, f"norm_bwd_dx<{types[0]}, {types[1]}>", _apply_grid(plan), (APPLY_BLOCK,),
+                  [x, dy, rt.ptr(w), rt.ptr(b), mean, rstd, mgw, mgwx, dx, *_geo(plan), rt.i32(1),
+                   rt.i32(act.code), rt.f64(act.slope)])
+    return reusable
+
+
+def _param_grads(call, plan, types, partials, need_w, need_b, xp, acc):
+    """dweight and dbias (flat, in the parameters' dtype) from partial sums."""
+    part_a, part_b, rows_of_parts, qp, s_eff = partials
+    size = plan.cc * plan.cg
+    dw = xp.empty(size, call.weight.dtype) if need_w else None
+    db = xp.empty(size, call.bias.dtype) if need_b else None
+    block = rt.check_block(APPLY_BLOCK, "APPLY_BLOCK")
+    rt.launch(FAMILY, f"norm_param_finalize<{types[0]}, {types[1]}>", (size,), (block,),
+              [part_a, part_b, rt.ptr(dw), rt.ptr(db), rt.i64(plan.cc), rt.i64(plan.cg), rt.i64(rows_of_parts),
+               rt.i64(qp), rt.i64(s_eff)], _shared(block, acc))
+    return dw, db
+
+
+def norm_backward(residuals: Any, cotangents: Any, needs: Any, out: Any = None) -> dict[str, Any]:
+    """dx, dweight and dbias of every norm (see the module docstring)."""
+    x, mean, rstd, call, plan = residuals
+    out = out or {}
+    xp = rt.array_module(x)
+    types = _types(call)
+    acc = rt.acc_dtype(call.dtype)
+    act = call.activation
+    dy = xp.ascontiguousarray(cotangents[0])
+    if dy.dtype != x.dtype:
+        dy = dy.astype(x.dtype)
+    need_x = "x" in needs
+    need_w = "weight" in needs and call.weight is not None
+    need_b = "bias" in needs and call.bias is not None
+    dx = None
+    if need_x:
+        given = out.get("x")
+        ok = given is not None and given.dtype == x.dtype and given.flags.c_contiguous
+        dx = given if ok else xp.empty_like(x)
+    train = bool(call.use_batch_stats)
+    partials = None
+    if x.size == 0:
+        pass
+    elif train:
+        partials = _group_sums(call, plan, types, x, dy, mean, rstd, dx, need_x, xp, acc)
+    elif need_x:
+        rt.launch(FAMILY, f"norm_bwd_dx<{types[0]}, {types[1]}>", _apply_grid(plan), (APPLY_BLOCK,),
+                  [x, dy, rt.ptr(call.weight), rt.ptr(call.bias), mean, rstd, rt.NULL, rt.NULL, dx, *_geo(plan),
+                   rt.i32(0), rt.i32(act.code), rt.f64(act.slope)])
+    dw = db = None
+    if need_w or need_b:
+        if x.size == 0:
+            dw = xp.zeros(call.weight.shape, call.weight.dtype) if need_w else None
+            db = xp.zeros(call.bias.shape, call.bias.dtype) if need_b else None
+        else:
+            if partials is None:
+                part_a, part_b, rows_of_parts = _column_partials(
+                    plan, types, x, dy, call.weight, call.bias, mean, rstd, 1, False, bool(call.center), act, xp,
+                    acc)
+                partials = (part_a, part_b, rows_of_parts, plan.qq, plan.ss)
+            dw, db = _param_grads(call, plan, types, partials, need_w, need_b, xp, acc)
+    grads = {}
+    if need_x:
+        grads["x"] = rt.into(out, "x", dx)
+    if "weight" in needs:
+        grads["weight"] = rt.into(out, "weight", dw.reshape(call.weight.shape)) if need_w else None
+    if "bias" in needs:
+        grads["bias"] = rt.into(out, "bias", db.reshape(call.bias.shape)) if need_b else None
+    return grads
