@@ -1,9 +1,12 @@
-"""Command line: ``python -m portable_nn info | bench | demo``.
+"""Command line: ``python -m portable_nn info | demo | bench | gpu-check | wheels``.
 
 ``info`` reports versions, which backends run on this machine (and why the
 others do not), Numba's threading layer, the kernel cache directory and the
-capability table.  ``demo`` is the main job (training on real data with
-portable_nn ops only); until it lands it prints what it will do.
+capability table.  ``demo`` is the main job: training on real data with
+portable_nn ops and ``pnn.vjp`` only (:mod:`portable_nn.examples`).  ``bench``
+measures every backend against PyTorch on the CPU; ``gpu-check`` runs the GPU
+tests and the GPU benchmark on a CUDA machine (:mod:`portable_nn.gpu_check`);
+``wheels`` fetches the pure-Python dependencies for a machine without network.
 """
 
 from __future__ import annotations
@@ -65,23 +68,35 @@ def info() -> str:
     return "\n".join(lines)
 
 
-def demo() -> int:
-    """The main job; prints its plan until the demo lands (issue 6)."""
-    print(
-        "portable_nn demo: not built yet.\n"
-        "When it lands it will train a small network (convolution, normalisation and an LSTM\n"
-        "classifier) on a real dataset using portable_nn ops and pnn.vjp only, print the loss\n"
-        "curve and test accuracy per epoch, and report which backend ran each op.\n"
-        "Meanwhile `python -m portable_nn info` shows the backends and capabilities on this machine."
-    )
-    return 0
+#: Pure-Python dependencies an offline GPU machine may lack (its image has numpy, numba, torch, cupy).
+OFFLINE_WHEELS = ("array-api-compat>=1.9", "array-api-strict>=2.0")
+
+
+def download_wheels(dest: str, python_version: str = "3.12") -> int:
+    """``pip download`` :data:`OFFLINE_WHEELS` into ``dest`` for an offline machine.
+
+    There: ``pip install --no-index --find-links DEST array-api-compat array-api-strict``,
+    then ``pip install --no-deps --no-build-isolation -e .`` in the checkout.
+    """
+    import subprocess
+
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--python-version", python_version, "-d", dest, *OFFLINE_WHEELS]
+    code = subprocess.call(cmd)
+    if code == 0:
+        print(f"on the offline machine: pip install --no-index --find-links {dest} "
+              + " ".join(w.split(">")[0] for w in OFFLINE_WHEELS))
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m portable_nn", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, available backends, threading layer, cache, capabilities")
-    sub.add_parser("demo", help="the main job: train on real data with portable_nn ops")
+    demo = sub.add_parser("demo", help="the main job: train a CNN and an LSTM on real data with portable_nn ops")
+    from .examples import add_demo_arguments
+
+    add_demo_arguments(demo)
     bench = sub.add_parser("bench", help="benchmark every backend against PyTorch (fwd, bwd, fwd+bwd)")
     bench.add_argument("--ops", help="comma-separated ops or workload names (default: all)")
     bench.add_argument("--quick", action="store_true", help="small shapes, few repeats (a smoke test)")
@@ -89,6 +104,13 @@ def main(argv: list[str] | None = None) -> int:
                        help="skip the cold-compile measurement (tens of seconds per op, empty cache)")
     bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     bench.add_argument("--plot", metavar="PATH", help="also draw the ratios to PyTorch (needs matplotlib)")
+    check = sub.add_parser("gpu-check", help="on a CUDA machine: GPU tests, benchmark vs PyTorch CUDA, a report")
+    from .gpu_check import add_arguments as add_gpu_check_arguments
+
+    add_gpu_check_arguments(check)
+    wheels = sub.add_parser("wheels", help="download the pure-Python dependencies as wheels (for an offline machine)")
+    wheels.add_argument("dest", help="directory to download into")
+    wheels.add_argument("--python-version", default="3.12", help="target Python version (default: 3.12)")
     args = parser.parse_args(argv)
     if args.command == "info":
         print(info())
@@ -97,7 +119,15 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import main as bench_main
 
         return bench_main(args)
-    return demo()
+    if args.command == "gpu-check":
+        from .gpu_check import main as gpu_check_main
+
+        return gpu_check_main(args)
+    if args.command == "wheels":
+        return download_wheels(args.dest, args.python_version)
+    from .examples import run_demo
+
+    return run_demo(args)
 
 
 if __name__ == "__main__":

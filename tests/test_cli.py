@@ -39,12 +39,6 @@ def test_info_reports_versions_backends_threading_cache_and_capabilities():
         assert state in ("available", "unavailable")
 
 
-def test_demo_command_exits_zero():
-    out = _run("-m", "portable_nn", "demo")
-    assert out.returncode == 0, out.stderr
-    assert "demo" in out.stdout
-
-
 def test_unknown_command_is_an_error():
     out = _run("-m", "portable_nn", "frobnicate")
     assert out.returncode != 0

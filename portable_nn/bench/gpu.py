@@ -1,0 +1,202 @@
+"""GPU benchmark: the CPU suite's workloads on a CUDA device, against PyTorch CUDA (cuDNN).
+
+Part of ``python -m portable_nn gpu-check``.  Every workload of :data:`WORKLOADS`
+is placed on the device (CuPy arrays for portable_nn, CUDA tensors for PyTorch)
+and timed for each GPU backend that implements all of its ops, plus the large
+layer_norm / rms_norm rows the issue asks for in float32, float16 and bfloat16.
+
+Timing: a sample runs a phase ``inner`` times back to back and then waits for
+the device (``torch.cuda.synchronize`` covers CuPy's and Numba's streams too),
+so launch pipelining counts as it does in a real program, and a Python-side
+cost (dispatch, launch overhead) shows up whenever it exceeds the GPU time.
+``inner`` is calibrated per contender so a sample lasts a few milliseconds.
+Contenders are interleaved round-robin, as on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .. import dispatch
+from . import Report, Row
+from .workloads import WORKLOADS, Placement, Workload, _norm_workload
+
+__all__ = ["GPU_BACKENDS", "GPU_WORKLOADS", "gpu_contenders", "run_gpu_suite"]
+
+GPU_BACKENDS = ("cupy", "numba_cuda")
+
+#: The GPU-only rows: large norms in three dtypes (dtype, workload).
+GPU_WORKLOADS: list[tuple[str, Workload]] = [
+    (dtype, _norm_workload(f"{op} (8192,4096) {dtype}", op, (8192, 4096), (512, 4096), lambda s: s[-1]))
+    for op in ("layer_norm", "rms_norm")
+    for dtype in ("float32", "float16", "bfloat16")
+]
+
+#: Target length of one timing sample.
+SAMPLE_S = 0.005
+
+
+def gpu_contenders(workload: Workload, dtype: str = "float32") -> list[str]:
+    """GPU backends that run every op of ``workload`` on CuPy arrays of ``dtype``."""
+    import array_api_compat.cupy as xp
+
+    probe = dispatch.Call("probe", {}, {}, xp=xp, family="cupy", device="cuda:0", dtype=dtype)
+    found = []
+    for backend in GPU_BACKENDS:
+        if not dispatch.backend_status(backend):
+            continue
+        ok = True
+        for op in workload.ops:
+            impl = next((i for i in dispatch.implementations(op) if i.backend == backend), None)
+            s = impl.supports if impl else None
+            if s is None or s.matches_arrays(probe) is not None or (s.dtypes is not None and dtype not in s.dtypes):
+                ok = False
+                break
+        if ok:
+            found.append(backend)
+    return found
+
+
+def _synchronize() -> None:
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def _calibrate(fn: Callable[[], Any]) -> int:
+    """How many back-to-back calls make one sample of about :data:`SAMPLE_S`."""
+    fn()
+    _synchronize()
+    t = time.perf_counter()
+    fn()
+    _synchronize()
+    once = max(time.perf_counter() - t, 1e-6)
+    return max(1, min(200, int(SAMPLE_S / once)))
+
+
+def _time_gpu(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median seconds per call of each function, interleaved, device-synchronised per sample."""
+    inner = {name: _calibrate(fn) for name, fn in fns.items()}
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            _synchronize()
+            t = time.perf_counter()
+            for _ in range(inner[name]):
+                fn()
+            _synchronize()
+            samples[name].append((time.perf_counter() - t) / inner[name])
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def cuda_copy_bandwidth(quick: bool = False) -> float:
+    """GB/s (read + write counted) of a device-to-device copy of 256 MiB (64 MiB quick)."""
+    import torch
+
+    n = (64 if quick else 256) * 2**20 // 4
+    src = torch.ones(n, device="cuda", dtype=torch.float32)
+    dst = torch.empty_like(src)
+    seconds = _time_gpu({"copy": lambda: dst.copy_(src)}, 5 if quick else 20)["copy"]
+    return 2 * src.numel() * 4 / seconds / 1e9
+
+
+def gpu_environment() -> dict[str, Any]:
+    """Device, driver and library versions for the report."""
+    import torch
+
+    from ..__main__ import _version
+
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "python": platform.python_version(),
+        "device": props.name,
+        "multiprocessors": props.multi_processor_count,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "torch": torch.__version__,
+        "cuda (torch)": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "cupy": _version("cupy-cuda13x") if _version("cupy-cuda13x") != "not installed" else _version("cupy"),
+        "numba": _version("numba"),
+        "numba-cuda": _version("numba-cuda"),
+        "numpy": _version("numpy"),
+        "machine": platform.processor() or platform.machine(),
+    }
+
+
+def run_gpu_suite(quick: bool = False, progress: Callable[[int, int, str], None] | None = None) -> Report:
+    """Measure every workload on the GPU; returns a :class:`~portable_nn.bench.Report`."""
+    report = Report(gpu_environment(), cuda_copy_bandwidth(quick), quick=quick)
+    plan = [("float32", w) for w in WORKLOADS] + GPU_WORKLOADS
+    repeats = 5 if quick else 15
+    for n, (dtype, workload) in enumerate(plan):
+        if progress:
+            progress(n, len(plan), workload.name)
+        place = Placement("cuda", dtype)
+        try:
+            cases = workload.build(quick, place)
+        except Exception as exc:  # a dtype PyTorch or CuPy cannot build here: reported, not fatal
+            report.notes.append(f"{workload.name}: not built ({type(exc).__name__}: {exc})")
+            continue
+        fns: dict[str, Callable[[], Any]] = {}
+        builders = {b: functools.partial(cases.portable, b) for b in gpu_contenders(workload, dtype)}
+        if cases.torch is not None:
+            builders["torch"] = cases.torch
+        for contender, build in builders.items():
+            try:
+                phases = build()
+                for fn in phases.values():
+                    fn()
+                _synchronize()
+            except Exception as exc:  # a failing contender is reported and left out, the rest go on
+                report.notes.append(f"{workload.name} [{contender}]: failed ({type(exc).__name__}: {exc})")
+                continue
+            fns.update({f"{contender}|{phase}": fn for phase, fn in phases.items()})
+        for key, seconds in _time_gpu(fns, repeats).items():
+            contender, phase = key.split("|")
+            moved = cases.bytes_moved.get(phase, 0)
+            row = Row(workload.name, contender, phase, seconds * 1e3, moved)
+            if moved:
+                row.gbps = moved / seconds / 1e9
+                row.fraction_of_copy = row.gbps / report.copy_gbps
+            report.rows.append(row)
+    if progress:
+        progress(len(plan), len(plan), "done")
+    _fill_ratios(report)
+    return report
+
+
+def _fill_ratios(report: Report) -> None:
+    """Each row's time ratio to PyTorch's row of the same workload and phase."""
+    torch_ms = {(r.workload, r.phase): r.median_ms for r in report.rows if r.contender == "torch"}
+    for r in report.rows:
+        ref = torch_ms.get((r.workload, r.phase))
+        if ref and r.median_ms:
+            r.ratio_vs_torch = ref / r.median_ms
+
+
+# --------------------------------------------------------------------------- goals
+
+#: Issue 5's GPU goals: (description, predicate over a row).
+NORM_OPS = ("layer_norm", "rms_norm", "batch_norm", "group_norm", "instance_norm")
+
+
+def goal_checks(report: Report) -> list[tuple[str, str, bool]]:
+    """``(row, goal, met)`` for every portable_nn row a goal of issue 5 applies to."""
+    checks = []
+    for r in report.rows:
+        if r.contender not in GPU_BACKENDS:
+            continue
+        label = f"{r.workload} [{r.contender}, {r.phase}]"
+        is_norm = any(r.workload.startswith(op) for op in NORM_OPS)
+        is_sequence = r.workload.startswith(("lstm 2 layers", "gru 2 layers"))
+        if (is_norm or is_sequence) and r.phase == "fwd+bwd" and r.ratio_vs_torch is not None:
+            checks.append((label, ">= 1.0x PyTorch", r.ratio_vs_torch >= 1.0))
+        if is_norm and r.fraction_of_copy is not None and r.phase in ("fwd", "bwd"):
+            need = 0.75 if r.phase == "fwd" else 0.60
+            checks.append((label, f">= {need:.0%} of copy bandwidth", r.fraction_of_copy >= need))
+    return checks
