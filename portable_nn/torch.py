@@ -1,0 +1,99 @@
+"""``portable_nn.torch``: portable_nn for PyTorch users — autograd-aware functions and drop-in modules.
+
+::
+
+    import portable_nn.torch as pnt
+
+    y = pnt.layer_norm(x, w, b, activation="gelu")    # differentiable, torch.compile-able
+    model.norm = pnt.LayerNorm(512)                   # same parameters and state_dict as torch.nn.LayerNorm
+    model.norm.load_state_dict(old_norm.state_dict())
+
+The functions are ``torch.library`` custom ops (``torch.ops.portable_nn.*``)
+with fake implementations and autograd formulas, so ``torch.compile`` keeps
+them in its graphs; forward and backward run our fused kernels (CPU tensors
+reach the Numba kernels without a copy, CUDA tensors the GPU kernels), and a
+gradient no input needs is never computed.  The modules subclass their
+``torch.nn`` counterparts: same constructor arguments, parameters, buffers,
+initialisation, state_dict keys and train/eval behaviour, plus the
+keyword-only options our kernels add (``activation=``, ``channel_axis=``,
+GRU ``reset_after=``).  See :mod:`portable_nn.adapters.torch` for how the ops
+are built.  Needs PyTorch (``pip install torch``).
+"""
+
+from __future__ import annotations
+
+from .adapters.torch import (
+    GRU,
+    LSTM,
+    RNN,
+    BatchNorm1d,
+    BatchNorm2d,
+    BatchNorm3d,
+    Conv1d,
+    Conv2d,
+    Conv3d,
+    GroupNorm,
+    InstanceNorm1d,
+    InstanceNorm2d,
+    InstanceNorm3d,
+    LayerNorm,
+    Linear,
+    RMSNorm,
+    avg_pool,
+    batch_norm,
+    conv,
+    cross_entropy,
+    dense,
+    group_norm,
+    gru,
+    gru_cell,
+    instance_norm,
+    layer_norm,
+    log_softmax,
+    lstm,
+    lstm_cell,
+    max_pool,
+    moments,
+    rms_norm,
+    rnn,
+    rnn_cell,
+    saved_pullbacks,
+)
+
+__all__ = [
+    "GRU",
+    "LSTM",
+    "RNN",
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "BatchNorm3d",
+    "Conv1d",
+    "Conv2d",
+    "Conv3d",
+    "GroupNorm",
+    "InstanceNorm1d",
+    "InstanceNorm2d",
+    "InstanceNorm3d",
+    "LayerNorm",
+    "Linear",
+    "RMSNorm",
+    "avg_pool",
+    "batch_norm",
+    "conv",
+    "cross_entropy",
+    "dense",
+    "group_norm",
+    "gru",
+    "gru_cell",
+    "instance_norm",
+    "layer_norm",
+    "log_softmax",
+    "lstm",
+    "lstm_cell",
+    "max_pool",
+    "moments",
+    "rms_norm",
+    "rnn",
+    "rnn_cell",
+    "saved_pullbacks",
+]
