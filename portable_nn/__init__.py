@@ -12,9 +12,7 @@ from .api import (
     Activation,
     avg_pool,
     batch_norm,
-    conv,
     cross_entropy,
-    dense,
     group_norm,
     gru,
     gru_cell,
@@ -27,9 +25,14 @@ from .api import (
     merge_moments,
     moments,
     rms_norm,
-    rnn,
     rnn_cell,
 )
+
+# Imported from their modules, not from the package: ``portable_nn.api.conv`` etc. are also
+# submodules, and documentation tools would otherwise render the module instead of the function.
+from .api.conv import conv
+from .api.dense import dense
+from .api.rnn import rnn
 from .autodiff import vjp
 from .config import get_backend, get_fallback, set_backend, set_fallback, use_backend
 from .dispatch import (
@@ -46,6 +49,7 @@ from .dispatch import (
 from .errors import BackendUnavailableError, FallbackWarning
 
 __version__ = "0.1.0"
+"""The version of portable_nn, a PEP 440 string kept equal to ``version`` in pyproject.toml."""
 
 __all__ = [
     "ACTIVATIONS",

@@ -139,22 +139,47 @@ def _fill(buffer: Any, grad: Any) -> Any:
 def vjp(op: Any, *args: Any, wrt: str | Iterable[str] | None = None, **kwargs: Any) -> tuple[Any, Callable[..., Any]]:
     """Run ``op(*args, **kwargs)`` and return ``(result, pullback)``.
 
+    For an op y = f(a₁, a₂, …) and a cotangent ȳ shaped like y, the pullback
+    returns the vector-Jacobian products āᵢ = ȳ · ∂y/∂aᵢ (for several outputs,
+    the sum over outputs) — the gradients of a scalar loss L with ∂L/∂y = ȳ.  The
+    forward runs once, on an implementation that has a backward kernel (``auto``
+    passes forward-only kernels over; a forced backend without one raises
+    :class:`BackendUnavailableError`), and keeps only the
+    residuals that kernel needs.  The pullback computes only the gradients named
+    in ``wrt``: the others are neither computed nor allocated.
+
     Args:
-        op: a public op (``pnn.layer_norm``) or its name.
-        *args, **kwargs: the op's arguments, exactly as for a plain call.
-        wrt: the differentiable arguments whose gradients are wanted (names from
-            the op's gradient fields); ``None`` means every one that was given.
-            Unknown names raise ``ValueError``.
+        op: a public op (``pnn.layer_norm``) or its name (``"layer_norm"``).
+        *args: the op's positional arguments, exactly as for a plain call.
+        **kwargs: the op's keyword arguments, exactly as for a plain call.
+        wrt: the differentiable arguments whose gradients are wanted, one name or
+            a tuple of names from the op's gradient fields (each op's docstring
+            lists them); ``None`` means every one that was given (not ``None``).
 
     Returns:
-        ``result`` is what the plain call returns (running statistics are
-        updated the same way); ``pullback(cotangent, *, out=None)`` returns a
-        named tuple with one field per differentiable argument in signature
-        order — ``None`` for arguments that were ``None`` or not in ``wrt``.
-        Ops with several differentiable outputs take a tuple of cotangents; any
-        entry may be ``None`` (zero).  ``out`` maps field names (or a gradients
-        named tuple) to preallocated buffers that receive the gradients.  A
-        pullback may be called any number of times.
+        ``(result, pullback)``.  ``result`` is what the plain call returns
+        (running statistics are updated the same way).  ``pullback(cotangent,
+        *, out=None)`` returns a named tuple (``LayerNormGrads`` …) with one
+        field per differentiable argument in signature order — ``None`` for
+        arguments that were ``None`` or not in ``wrt``.  ``cotangent`` is an
+        array with the output's shape, library and dtype; ops with several
+        differentiable outputs (``moments``, ``lstm_cell``, the sequence ops)
+        take a tuple mirroring their result, any entry ``None`` (zero).  ``out``
+        maps field names (or takes a gradients named tuple) to preallocated
+        buffers, each with its argument's shape and dtype, that receive the
+        gradients and are returned in the named tuple.  A pullback may be
+        called any number of times; it raises ``TypeError``/``ValueError`` for
+        a cotangent or buffer that does not fit.
+
+    Raises:
+        TypeError: ``op`` is not a portable_nn op or op name; ``wrt`` is not a
+            name or a tuple of names.
+        ValueError: a ``wrt`` name that is not one of the op's gradient fields.
+        BackendUnavailableError: the configured backend cannot run the call or
+            has no backward kernel.
+
+    The op's own argument checks apply as for a plain call (``TypeError`` /
+    ``ValueError`` naming the argument).
     """
     spec = spec_of(op)
     prepared = spec.prepare(*args, **kwargs)

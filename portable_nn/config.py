@@ -97,16 +97,25 @@ def _check_per_op(per_op: Mapping[str, object]) -> dict[str, str]:
 def set_backend(name: str | None = None, /, **per_op: str) -> None:
     """Set the process-wide backend, and/or per-op backends.
 
+    Applies to every thread.  Context-local :func:`use_backend` overrides take
+    precedence over this; this takes precedence over the ``PORTABLE_NN_BACKEND``
+    environment variable.  A forced backend that cannot run a call raises
+    :class:`BackendUnavailableError` rather than falling back;
+    ``"auto"`` runs the first implementation that accepts the call (see
+    :func:`portable_nn.explain`).
+
     Args:
         name: ``"auto"``, ``"reference"``, ``"numba"``, ``"numba_cuda"``, ``"cupy"``
             or a backend added with :func:`portable_nn.register_kernel`. ``None``
             leaves the default unchanged when per-op entries are given, and
             otherwise clears every global setting (the environment variable
-            then applies again).
+            then applies again).  Positional-only.
         **per_op: ``op=backend`` overrides, e.g. ``set_backend(lstm_cell="reference")``.
             A value of ``None`` removes that op's override.
 
-    Context-local :func:`use_backend` overrides take precedence over this.
+    Raises:
+        TypeError: a backend name that is not a string.
+        ValueError: an unknown backend or op name.
     """
     global _global_layer
     removals = {op for op, value in per_op.items() if value is None}
@@ -129,8 +138,27 @@ def use_backend(name: str | None = None, /, **per_op: str) -> Iterator[None]:
 
     ``with pnn.use_backend("numba"):`` forces Numba for every op inside the block;
     ``with pnn.use_backend(lstm_cell="reference"):`` overrides one op and leaves
-    the others to the enclosing configuration. Contexts nest; the innermost wins.
-    Other threads and asyncio tasks are unaffected.
+    the others to the enclosing configuration. Contexts nest; the innermost wins
+    (its per-op entries, then its default, then the enclosing contexts), and all
+    of them take precedence over :func:`set_backend` and ``PORTABLE_NN_BACKEND``.
+    The override lives in a :class:`contextvars.ContextVar`: other threads and
+    asyncio tasks are unaffected, and leaving the block restores the previous
+    configuration even when it raises.
+
+    Args:
+        name: the default backend inside the block (``"auto"``, ``"reference"``,
+            ``"numba"``, ``"numba_cuda"``, ``"cupy"`` or a registered name), or
+            ``None`` to leave the enclosing default in force.  Positional-only.
+        **per_op: ``op=backend`` overrides for single ops, e.g.
+            ``use_backend(conv="numba")``.
+
+    Returns:
+        A context manager; ``with`` yields ``None``.
+
+    Raises:
+        TypeError: a backend name that is not a string.
+        ValueError: an unknown backend or op name (checked on entry, before the
+            block runs).
     """
     default = None if name is None else _check_backend(name, "backend")
     layer = _Layer(default=default, per_op=_check_per_op(per_op), source="use_backend")
@@ -179,7 +207,25 @@ def _env_layer() -> _Layer | None:
 
 
 def get_backend(op: str) -> tuple[str, str]:
-    """The backend requested for ``op`` and where the request came from."""
+    """The backend requested for ``op`` and where the request came from.
+
+    Walks the precedence order: the active :func:`use_backend` contexts (innermost
+    first), :func:`set_backend`, the ``PORTABLE_NN_BACKEND`` environment variable,
+    then ``"auto"``.  This is the *request*; which implementation actually runs a
+    given call is what :func:`portable_nn.explain` reports.
+
+    Args:
+        op: an op name, such as ``"layer_norm"``.
+
+    Returns:
+        ``(backend, source)``: the requested backend name (``"auto"`` when nothing
+        is configured) and a description of the setting it came from, e.g.
+        ``"use_backend (layer_norm=numba)"``, ``"set_backend"``,
+        ``"environment PORTABLE_NN_BACKEND='numba'"`` or ``"default"``.
+
+    Raises:
+        ValueError: ``PORTABLE_NN_BACKEND`` names an unknown backend or op.
+    """
     for layer in _context_layers.get():
         found = layer.lookup(op)
         if found is not None:
@@ -198,10 +244,18 @@ def get_backend(op: str) -> tuple[str, str]:
 def set_fallback(mode: str) -> None:
     """What happens under ``auto`` when the preferred kernel declines a call.
 
+    A *fallback* is a call whose arrays a kernel targets (family and device match
+    its :class:`Support`) but which it declines (dtype, layout,
+    sizes, no backward for ``vjp``), so a slower implementation runs.  The setting
+    is process-wide; forced backends never fall back.
+
     Args:
         mode: ``"allow"`` (default: run the next candidate silently; ``explain``
             still reports it), ``"warn"`` (emit :class:`FallbackWarning`) or
             ``"error"`` (raise :class:`BackendUnavailableError`).
+
+    Raises:
+        ValueError: an unknown mode.
     """
     global _fallback_mode
     if mode not in FALLBACK_MODES:
@@ -210,5 +264,9 @@ def set_fallback(mode: str) -> None:
 
 
 def get_fallback() -> str:
-    """The current fallback mode (see :func:`set_fallback`)."""
+    """The current fallback mode (see :func:`set_fallback`).
+
+    Returns:
+        ``"allow"`` (the default), ``"warn"`` or ``"error"``.
+    """
     return _fallback_mode

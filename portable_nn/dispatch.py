@@ -87,19 +87,27 @@ _PROVIDERS = ("portable_nn.reference", "kernels_cpu", "kernels_gpu")
 class Call:
     """One validated call of an op, as implementations receive it.
 
+    Built by the public op after validation (kernels never re-check arguments);
+    :func:`register_kernel` describes what each op puts in ``arrays`` and
+    ``params``.
+
     Attributes:
         op: the op name (``"layer_norm"`` …).
-        xp: the array-API namespace of the arrays.
-        family: the array library (``"numpy"``, ``"torch"`` …).
+        xp: the array-API namespace of the arrays (for a kernel bridged with
+            ``Support.native``, its native library's namespace).
+        family: the array library (``"numpy"``, ``"torch"``, ``"cupy"`` …; the
+            native library for a bridged kernel).
         device: normalised device string (``"cpu"``, ``"cuda:0"`` …).
-        dtype: array-API name of the main input's dtype.
-        layout: ``"channels_first"``, ``"channels_last"`` or ``None`` where the op
-            has no channel axis.
+        dtype: array-API name of the main input's dtype (``"float32"`` …).
+        layout: ``"channels_first"``, ``"channels_last"``, ``"channels_other"``
+            (a norm's channel axis elsewhere), or ``None`` where the op has no
+            channel axis.
         arrays: the array arguments by name (``None`` where not given).
         params: every other (normalised) argument by name.
         save: whether the forward must return residuals for a backward pass.
 
-    Arguments are also readable as attributes: ``call.x``, ``call.eps``.
+    Arguments are also readable as attributes: ``call.x``, ``call.eps``
+    (arrays first, then params; ``AttributeError`` for other names).
     """
 
     __slots__ = ("arrays", "device", "dtype", "family", "layout", "op", "params", "save", "xp")
@@ -135,7 +143,15 @@ class Call:
         raise AttributeError(f"{self.op} call has no argument {name!r}")
 
     def replace(self, **changes: Any) -> Call:
-        """A copy with some attributes (``arrays=``, ``xp=``, ``save=`` …) replaced."""
+        """A copy with some attributes replaced.
+
+        Args:
+            **changes: new values by attribute name (``arrays=``, ``params=``,
+                ``xp=``, ``family=``, ``device=``, ``dtype=``, ``layout=``, ``save=``).
+
+        Returns:
+            A new :class:`Call` for the same op; this one is unchanged.
+        """
         fields = {slot: getattr(self, slot) for slot in self.__slots__ if slot != "op"}
         fields.update(changes)
         arrays = fields.pop("arrays")
@@ -157,11 +173,21 @@ class Call:
 class Support:
     """What an implementation accepts; dispatch checks it before choosing it.
 
+    A call is taken only when every declared rule holds: family, device kind,
+    dtype, layout, mixed precision, then the ``check`` predicate.  Kernel bodies
+    can therefore rely on the declaration without re-checking.  The same
+    declarations build :func:`capabilities` and the reasons :func:`explain`
+    gives.
+
     Args:
-        families: array libraries accepted (``None``: any).
+        families: array libraries accepted, e.g. ``("numpy", "torch")``
+            (``None``: any).
         devices: device kinds accepted, ``"cpu"``/``"cuda"`` (``None``: any).
-        dtypes: dtype names of the main input accepted (``None``: any floating).
-        layouts: layouts accepted (``None``: any).
+        dtypes: dtype names of the main input accepted, e.g.
+            ``("float32", "float64")`` (``None``: any floating).
+        layouts: layouts accepted, from ``"channels_first"``, ``"channels_last"``
+            and ``"channels_other"`` (``None``: any); ops without a channel axis
+            ignore it.
         contiguous: whether the kernel needs C-contiguous arrays; dispatch then
             makes contiguous copies of strided inputs and ``explain`` reports them.
         mixed_precision: whether half-precision ``x`` with float32 parameters is taken.
@@ -186,7 +212,15 @@ class Support:
     description: str = ""
 
     def matches_arrays(self, call: Call) -> str | None:
-        """Why the array family or device rules this out, else ``None``."""
+        """Why the array family or device rules this call out, else ``None``.
+
+        Args:
+            call: the validated call.
+
+        Returns:
+            A reason such as ``"takes numpy/torch arrays, not cupy"``, or ``None``
+            when the family and device kind are accepted.
+        """
         if self.families is not None and call.family not in self.families:
             return f"takes {'/'.join(self.families)} arrays, not {call.family}"
         kind = _arrays.device_kind(call.device)
@@ -195,7 +229,15 @@ class Support:
         return None
 
     def declines(self, call: Call) -> str | None:
-        """Why this call is outside the declared support (dtype, layout, sizes), else ``None``."""
+        """Why this call is outside the declared support (dtype, layout, sizes), else ``None``.
+
+        Args:
+            call: the validated call (its family and device already accepted).
+
+        Returns:
+            The first failing rule's reason (dtype, mixed precision, layout, then
+            the ``check`` predicate's own), or ``None`` to accept.
+        """
         if self.dtypes is not None and call.dtype not in self.dtypes:
             return f"supports dtypes {', '.join(self.dtypes)}, not {call.dtype}"
         if not self.mixed_precision and call.params.get("mixed_precision"):
@@ -328,20 +370,114 @@ def register_kernel(
 ) -> None:
     """Plug a third-party kernel into dispatch without touching the library.
 
+    The kernel then runs wherever its :class:`Support` accepts a call: under
+    ``auto`` in ``priority`` order (ahead of the built-in kernels by default),
+    or whenever its backend is forced with ``set_backend``/``use_backend``.  It
+    appears in :func:`capabilities`, :func:`available_backends` and
+    :func:`explain` like a built-in one.
+
     Args:
-        op: the op it implements (``"layer_norm"`` …; see :data:`OPS`).
+        op: the op it implements (``"layer_norm"`` …: any dispatched op, every
+            public op but ``merge_moments``).
         backend: a backend name; a new name (``"onednn"``) becomes selectable with
             ``set_backend``/``use_backend`` like the built-in ones.  Registering
             the same ``(op, backend)`` again replaces the earlier kernel.
-        forward: ``forward(call) -> (outputs, residuals)``; ``outputs`` is a tuple
-            with one array per output of the op (for batch_norm and
-            instance_norm: ``y`` and the new running mean and variance, or
-            ``None`` for those when no running statistics are tracked).
-        backward: ``backward(residuals, cotangents, needs[, out]) -> {name: grad}``;
-            without one, the op is forward-only on this backend and ``vjp``
-            passes it over.
+        forward: ``forward(call) -> (outputs, residuals)``, a function or a
+            ``"module:function"`` string imported on first use (see the kernel
+            contract below).
+        backward: ``backward(residuals, cotangents, needs[, out]) -> {name: grad}``,
+            a function or a ``"module:function"`` string; without one, the op is
+            forward-only on this backend and ``vjp`` passes it over.
         supports: the :class:`Support` it declares (default: any array).
-        priority: order under ``auto``; built-in kernels use 0-5, the reference -1.
+        priority: order under ``auto``, highest first; built-in kernels use 0-5,
+            the reference always comes last.
+
+    Raises:
+        ValueError: an unknown op, or a backend name that is empty or ``"auto"``.
+        TypeError: a ``forward`` that is neither callable nor a
+            ``"module:function"`` string, a ``supports`` that is not a
+            :class:`Support`.
+
+    Kernel contract:
+        ``forward(call)`` receives a :class:`Call` whose arguments are already
+        validated and normalised.  It returns ``(outputs, residuals)``:
+        ``outputs`` is a tuple with one array per output of the op, in the
+        library of ``call.xp`` — ``(y,)`` for most ops; ``(mean, var)`` for
+        ``moments``; ``(y, new_running_mean, new_running_var)`` for
+        ``batch_norm`` and ``instance_norm``, ``None`` for the statistics when
+        ``call.update_running`` is false (the op then applies or returns them);
+        ``(h', c')`` for ``lstm_cell``; ``(outputs, h_n)`` for ``rnn`` and
+        ``gru``; ``(outputs, h_n, c_n)`` for ``lstm``.  ``residuals`` is
+        anything the backward needs, or ``None`` when ``call.save`` is false.
+
+        ``backward(residuals, cotangents, needs, out)`` receives those residuals,
+        one cotangent array per differentiable output (``y`` alone for the
+        norms with running statistics; every output of ``moments``,
+        ``lstm_cell`` and the sequence ops, zeros where the caller passed
+        ``None``), ``needs`` — the frozenset of gradient names wanted (the op's
+        ``vjp`` fields, e.g. ``{"x", "weight"}``) — and optionally ``out``, a
+        dict of preallocated buffers by name that it may write into and return
+        (or ignore; a backward without an ``out`` parameter is called without
+        it).  It returns ``{name: gradient}`` for exactly the names in
+        ``needs``, each with its argument's shape and dtype; the ``params``
+        gradient of ``rnn``/``lstm``/``gru`` is a list of ``(w_ih, w_hh, b_ih,
+        b_hh)`` tuples, ``None`` for absent biases.  Both run under
+        ``torch.no_grad()`` for torch arrays.
+
+    What a Call carries:
+        Every call has ``call.op``, ``call.xp`` (array-API namespace),
+        ``call.family`` (``"numpy"``, ``"torch"``, ``"cupy"`` …), ``call.device``
+        (``"cpu"``, ``"cuda:0"`` …), ``call.dtype`` (the main input's dtype name),
+        ``call.layout`` (``"channels_first"``, ``"channels_last"``,
+        ``"channels_other"`` or ``None``) and ``call.save``.  ``call.arrays``
+        maps the array arguments by name and ``call.params`` the normalised
+        other ones; both read as attributes (``call.x``, ``call.eps``).  Axes are
+        non-negative ints, activations :class:`Activation` objects (use
+        ``.code`` and ``.slope``), and ``mixed_precision`` is true for
+        float16/bfloat16 data with float32 parameters.  Per op family:
+
+        - ``moments``: array ``x``; ``axes``, ``keepdims``, ``correction``.
+        - norms (``batch_norm``, ``layer_norm``, ``group_norm``,
+          ``instance_norm``, ``rms_norm``): arrays ``x``, ``weight``, ``bias``
+          (plus ``running_mean``, ``running_var`` for batch and instance norm);
+          ``kind``, ``eps``, ``activation``, ``view_shape`` (the shape ``x`` is
+          viewed as: group norm splits C into ``(num_groups, C/num_groups)``),
+          ``axes`` (the reduced axes of that view), ``param_shape`` (how
+          ``weight``/``bias`` broadcast against the view),
+          ``stat_param_shape``, ``use_batch_stats``, ``center`` (false for
+          ``rms_norm``), ``update_running``, ``momentum``, ``stats_batch_axis``
+          (0 for instance norm: running statistics average over it),
+          ``mixed_precision``; ``channel_axis`` for batch, group and instance
+          norm; ``num_groups`` for group norm.
+        - cells (``rnn_cell``, ``lstm_cell``, ``gru_cell``): arrays ``x``, ``h``
+          (and ``c``), ``w_ih``, ``w_hh``, ``b_ih``, ``b_hh``; ``kind``
+          (``"rnn"``, ``"lstm"``, ``"gru"``), ``activation`` (rnn_cell; else
+          ``None``), ``reset_after``, ``hidden_size``, ``unbatched``,
+          ``mixed_precision``.
+        - sequences (``rnn``, ``lstm``, ``gru``): arrays ``x``, ``h0`` (and
+          ``c0``) and each layer's weights named ``w_ih_l0``, ``w_hh_l0``,
+          ``b_ih_l0_reverse`` …; ``kind``, ``activation``, ``reset_after``,
+          ``num_layers``, ``num_directions``, ``hidden_size``, ``batch_first``,
+          ``lengths`` (a tuple of ints, or ``None`` when every sequence is
+          full), ``param_names`` (per layer and direction, the four array
+          names), ``mixed_precision``.
+        - ``conv``: arrays ``x``, ``weight``, ``bias``; ``spatial_axes``,
+          ``channel_axis``, ``batched``, ``groups``, ``kernel``, ``stride``,
+          ``dilation``, ``pad_lo``, ``pad_hi``, ``in_size``, ``out_size`` (per
+          spatial axis), ``activation``, ``mixed_precision``.
+        - ``dense``: arrays ``x``, ``weight``, ``bias``; ``activation``,
+          ``in_features``, ``out_features``, ``mixed_precision``.
+        - pooling (``max_pool``, ``avg_pool``): array ``x``; ``spatial_axes``,
+          ``window``, ``stride``, ``padding``, ``dilation``, ``ceil_mode``,
+          ``batched``, ``in_size``, ``out_size``, ``pad_lo``, ``pad_hi`` (the
+          high side includes the room ``ceil_mode`` needs); ``avg_pool`` adds
+          ``count_include_pad`` and ``divisors`` (per axis, the divisor of each
+          output position).
+        - ``log_softmax``: array ``x``; ``axis``, ``scalar`` (0-d ``x``).
+        - ``cross_entropy``: arrays ``logits``, ``target``, ``weight``;
+          ``axis``, ``classes``, ``probabilities`` (float targets),
+          ``ignore_index``, ``label_smoothing``, ``reduction``, ``positions``
+          (the number of loss terms), ``mixed_precision``.
     """
     if op not in OPS:
         raise ValueError(f"register_kernel: unknown op {op!r}; expected one of {', '.join(OPS)}")
@@ -358,7 +494,16 @@ def register_kernel(
 
 
 def unregister_kernel(op: str, backend: str) -> None:
-    """Remove an implementation added with :func:`register_kernel`."""
+    """Remove an implementation added with :func:`register_kernel`.
+
+    Built-in implementations are never removed.  Once no op has a kernel of
+    ``backend`` left, a backend name that register_kernel introduced is no
+    longer selectable.  Removing a kernel that is not registered does nothing.
+
+    Args:
+        op: the op the kernel was registered for (``"rms_norm"`` …).
+        backend: the backend name it was registered under.
+    """
     with _registry_lock:
         _registry[op] = [
             i for i in _registry.get(op, []) if not (i.backend == backend and i.origin == "user")
@@ -461,7 +606,19 @@ def backend_names() -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class BackendStatus:
-    """Whether a backend can run on this machine, and if not, why not."""
+    """Whether a backend can run on this machine, and if not, why not.
+
+    Truthy exactly when the backend is available, so
+    ``if pnn.available_backends()["cupy"]:`` reads naturally; ``str()`` gives
+    ``"cupy: unavailable (the cupy package is not installed)"``.
+
+    Attributes:
+        name: the backend name (``"numba"`` …).
+        available: whether it can run here: its package imports and, for GPU
+            backends, a CUDA driver and device are present.
+        reason: why (not): ``"numba installed; kernels compile on first use"``,
+            ``"no CUDA driver (libcuda) on this machine"`` …
+    """
 
     name: str
     available: bool
@@ -523,7 +680,14 @@ def _none_declared(backend: str) -> str:
 
 
 def backend_status(name: str) -> BackendStatus:
-    """Availability of one backend (probed once, then cached)."""
+    """Availability of one backend (probed once, then cached).
+
+    Args:
+        name: a backend name.
+
+    Returns:
+        Its :class:`BackendStatus`; an unknown name is reported unavailable.
+    """
     status = _status_cache.get(name)
     if status is None:
         status = _status_cache[name] = _probe(name)
@@ -531,10 +695,17 @@ def backend_status(name: str) -> BackendStatus:
 
 
 def available_backends() -> dict[str, BackendStatus]:
-    """Every backend mapped to a :class:`BackendStatus` (truthy when available).
+    """Every backend, built-in or registered, and whether it can run here.
 
     ``pnn.available_backends()["numba"].reason`` says why a backend is missing:
-    package not installed, no GPU driver, no device.
+    package not installed, no GPU driver, no device.  Each backend is probed
+    once (importing its package, asking for a GPU) and the answer cached.
+
+    Returns:
+        A dict from backend name (``"reference"``, ``"numba"``,
+        ``"numba_cuda"``, ``"cupy"``, then names added with
+        :func:`register_kernel`) to its :class:`BackendStatus`, truthy when
+        available.
     """
     return {name: backend_status(name) for name in backend_names()}
 
@@ -787,7 +958,26 @@ def run(call: Call, need_backward: bool = False) -> Executed:
 
 @dataclass
 class Explanation:
-    """What ``explain`` found: the implementation that would run and why."""
+    """What :func:`explain` found: the implementation that would run and why.
+
+    ``str()`` gives a readable multi-line report.
+
+    Attributes:
+        op: the op name.
+        backend: the backend whose implementation would run (``""`` when the
+            call would raise).
+        requested: the configured backend, ``"auto"`` unless forced.
+        source: where the request came from (``"default"``, ``"set_backend"``,
+            ``"use_backend (conv=numba)"``, the environment variable …).
+        copies: names of the arrays dispatch would copy to C order first.
+        passed_over: ``(backend, reason)`` for every other implementation, in
+            preference order: why it declined or that it ranks lower.
+        fallback: whether a kernel that targets these arrays declined the call
+            (what ``set_fallback`` warns or errors about).
+        call: the validated :class:`Call`.
+        error: the :class:`BackendUnavailableError` message
+            the call would raise, or ``None``.
+    """
 
     op: str
     backend: str
@@ -801,6 +991,7 @@ class Explanation:
 
     @property
     def implementation(self) -> str:
+        """The chosen implementation as ``"op[backend]"``, e.g. ``"layer_norm[numba]"``."""
         return f"{self.op}[{self.backend}]"
 
     def __str__(self) -> str:
@@ -844,10 +1035,25 @@ def explain_call(call: Call) -> Explanation:
 def explain(op: Any, *args: Any, **kwargs: Any) -> Explanation:
     """Which implementation ``op(*args, **kwargs)`` would run, and why.
 
-    ``op`` is a public op (``pnn.layer_norm``) or its name.  Nothing is computed:
-    the arguments are validated as the op would, then dispatch reports its
-    choice, any contiguous copies, and why every other candidate was passed
-    over.  ``str()`` of the result is a readable report.
+    Nothing is computed: the arguments are validated as the op would, then
+    dispatch reports its choice under the current configuration, any
+    contiguous copies, and why every other candidate was passed over.  A forced
+    backend that cannot run the call is reported in ``error`` rather than
+    raised, and ``set_fallback`` does not warn or raise here.
+
+    Args:
+        op: a public op (``pnn.layer_norm``) or its name.
+        *args: the op's positional arguments, as for a plain call.
+        **kwargs: the op's keyword arguments, as for a plain call.
+
+    Returns:
+        An :class:`Explanation`; ``str()`` of it is a readable report and
+        ``.implementation`` names the choice, e.g. ``"layer_norm[numba]"``.
+
+    Raises:
+        TypeError: ``op`` is not a portable_nn op, or an argument has a type the
+            op rejects.
+        ValueError: an argument value the op rejects.
     """
     from .api._common import spec_of
 
@@ -859,8 +1065,17 @@ def explain(op: Any, *args: Any, **kwargs: Any) -> Explanation:
 def capabilities() -> list[dict[str, str]]:
     """The op × backend table, from the implementations' own declarations.
 
-    Each row: ``op``, ``backend``, ``arrays`` (families and devices), ``dtypes``,
-    ``layouts``, ``notes`` (contiguity, sizes, forward-only), ``available``.
+    Built from each registered implementation's :class:`Support`, the same
+    declarations dispatch checks, so it cannot drift from the code; ``python -m
+    portable_nn info`` prints it.
+
+    Returns:
+        One dict of strings per (op, implementation), ops in a fixed order and
+        implementations in ``auto`` preference order (reference last), with
+        keys ``op``, ``backend``, ``arrays`` (families and devices, e.g.
+        ``"numpy/torch on cpu"``), ``dtypes``, ``layouts``, ``notes``
+        (contiguity, zero-copy bridges, forward-only, the kernel's
+        description) and ``available`` (``"yes"``/``"no"`` on this machine).
     """
     rows = []
     for op in OPS:

@@ -538,6 +538,15 @@ def test_built_reference_has_an_entry_for_every_public_name(site: Path) -> None:
     assert not missing, f"no rendered API entry for {missing}"
 
 
+def test_each_public_function_is_rendered_once_not_as_its_module(site: Path) -> None:
+    """``portable_nn.rnn`` is a function; a same-named submodule must not be rendered in its place."""
+    html = "".join(p.read_text(encoding="utf-8") for p in (site / "reference").rglob("index.html"))
+    for name in pnn.__all__:
+        assert html.count(f'id="portable_nn.{name}"') == 1, name
+        assert f'id="portable_nn.{name}.' not in html or not callable(getattr(pnn, name)) or \
+            isinstance(getattr(pnn, name), type), f"{name} rendered with members, like a module"
+
+
 def test_built_capability_table_matches_capabilities(site: Path) -> None:
     html = (site / "reference" / "capabilities" / "index.html").read_text(encoding="utf-8")
     for row in pnn.capabilities():

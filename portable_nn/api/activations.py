@@ -21,7 +21,6 @@ from typing import Any
 
 __all__ = ["ACTIVATIONS", "Activation", "ActivationLike", "parse_activation"]
 
-#: Activation names and their runtime codes (shared by every kernel).
 ACTIVATIONS = {
     "identity": 0,
     "relu": 1,
@@ -32,25 +31,65 @@ ACTIVATIONS = {
     "silu": 6,
     "leaky_relu": 7,
 }
+"""Every activation name mapped to its runtime code, shared by every kernel.
+
+| name | code | f(z) |
+|---|---|---|
+| ``"identity"`` | 0 | z |
+| ``"relu"`` | 1 | max(z, 0) |
+| ``"sigmoid"`` | 2 | 1 / (1 + e^−z) |
+| ``"tanh"`` | 3 | tanh z |
+| ``"gelu"`` | 4 | z · Φ(z), Φ the standard normal CDF (exact, with erf) |
+| ``"gelu_tanh"`` | 5 | 0.5 z (1 + tanh(√(2/π) (z + 0.044715 z³))) |
+| ``"silu"`` | 6 | z · sigmoid(z) |
+| ``"leaky_relu"`` | 7 | z if z ≥ 0 else slope · z (slope 0.01 unless given) |
+
+The names are the values an ``activation=`` argument accepts; kernels receive the code
+(:attr:`Activation.code`) and the slope instead of the name.
+"""
 
 
 @dataclass(frozen=True)
 class Activation:
-    """A parsed activation: its name, kernel code and (for leaky_relu) slope."""
+    """A parsed activation: its name, kernel code and (for leaky_relu) slope.
+
+    Every ``activation=`` argument is normalised to one of these; pass one directly for a
+    leaky ReLU with a custom slope, ``activation=Activation.leaky_relu(0.2)`` (the same
+    as ``("leaky_relu", 0.2)``).  Build one with ``Activation.leaky_relu`` or by passing a name
+    to an op rather than with ``Activation(...)``, which does not validate.
+
+    Attributes:
+        name: one of the keys of :data:`ACTIVATIONS` (``"relu"``, ``"gelu"`` …).
+        slope: the negative-side slope of ``"leaky_relu"``, f(z) = slope · z for z < 0
+            (default 0.01, PyTorch's); ignored by every other activation.
+    """
 
     name: str
     slope: float = 0.01
 
     @property
     def code(self) -> int:
+        """The runtime code kernels receive for this activation: ``ACTIVATIONS[name]`` (0 to 7)."""
         return ACTIVATIONS[self.name]
 
     @property
     def is_identity(self) -> bool:
+        """Whether this is ``"identity"`` (f(z) = z), so kernels may skip the activation entirely."""
         return self.name == "identity"
 
     @classmethod
     def leaky_relu(cls, slope: float = 0.01) -> Activation:
+        """A leaky ReLU, f(z) = z for z ≥ 0 and slope · z below.
+
+        Args:
+            slope: the negative-side slope, any finite real number (0.01 by default).
+
+        Returns:
+            The validated :class:`Activation` ``("leaky_relu", float(slope))``.
+
+        Raises:
+            ValueError: ``slope`` is not a finite real number.
+        """
         return parse_activation(("leaky_relu", slope))
 
     def __str__(self) -> str:

@@ -5,7 +5,7 @@ spatial axes ``d`` is ``weight.ndim - 2``; ``weight`` is ``(O, C/groups, *k)``
 whatever the data layout; ``x`` is ``(N, C, *spatial)``, or ``(N, *spatial, C)``
 with ``channel_axis=-1``, or either without ``N`` (``x.ndim == weight.ndim - 1``).
 Per spatial axis, with input size ``L``, padding ``lo``/``hi`` and effective
-kernel size ``e = dilation·(k − 1) + 1``::
+kernel size ``e = dilation·(k − 1) + 1``:
 
     out = floor((L + lo + hi − e) / stride) + 1
 
@@ -202,7 +202,7 @@ def conv(
     """Convolution over 1 to 3 spatial axes with fused bias and activation
     (PyTorch's ``conv1d/2d/3d`` followed by the activation).
 
-    With ``G = groups``, the output channel ``o`` in group ``g = o // (O/G)``::
+    With ``G = groups``, the output channel ``o`` in group ``g = o // (O/G)``:
 
         y[n, o, p] = act(bias[o] + Σ_{c < C/G} Σ_t weight[o, c, t] · x_pad[n, g·C/G + c, p·stride + t·dilation])
 
@@ -225,24 +225,19 @@ def conv(
         dilation: int or per-axis tuple, >= 1: spacing of the kernel taps.
         groups: the input and output channels split into ``groups`` independent
             convolutions (``groups == C`` is a depthwise convolution).
-        activation: fused activation (see :mod:`portable_nn.api.activations`).
+        activation: fused activation, a name or an :class:`Activation` (see
+            :data:`ACTIVATIONS`).
         channel_axis: 1 (channels first) or -1 (channels last), counted in the
             batched layout; the weight layout does not change.
 
     Returns:
         ``y`` with ``x``'s layout and dtype (batched iff ``x`` is), ``O``
-        channels and each spatial size ``floor((L + lo + hi − dilation·(k − 1) − 1) / stride) + 1``.
+        channels and each spatial size
+        ``floor((L + lo + hi − dilation·(k − 1) − 1) / stride) + 1``, with ``L``
+        the input size, ``lo``/``hi`` the padding before/after and ``k`` the
+        kernel size on that axis.
         float16/bfloat16 ``x`` may come with float32 ``weight``/``bias``: the
         products accumulate in float32.
-
-    ``vjp`` fields: ``(x, weight, bias)``; dx is the transposed convolution of
-    ``g = dy · act'``, dweight the correlation of ``g`` with ``x``, dbias ``Σ g``
-    (reduced with the activation derivative).  Besides ``x`` and ``weight``,
-    the backward keeps nothing for the identity, ``y`` alone when the
-    activation's derivative is a function of its output (relu, sigmoid, tanh,
-    leaky_relu with a positive slope; float32 values for half data), else the
-    pre-activation.
-    Backends: reference; see ``pnn.capabilities()``.
 
     Raises:
         ValueError: mismatched ranks, channels that do not match
@@ -254,6 +249,23 @@ def conv(
         TypeError: non-arrays, non-floating dtypes, dtype mixes other than half
             data with float32 parameters, arrays of different libraries,
             non-int geometry arguments.
+
+    Gradients:
+        ``vjp`` fields: ``(x, weight, bias)``; dx is the transposed convolution of ``g =
+        dy · act'``, dweight the correlation of ``g`` with ``x``, dbias ``Σ g`` (reduced
+        with the activation derivative).  Besides ``x`` and ``weight``, the backward
+        keeps nothing for the identity, ``y`` alone when the activation's derivative is
+        a function of its output (relu, sigmoid, tanh, leaky_relu with a positive slope;
+        float32 values for half data), else the pre-activation.
+
+    Backends:
+        ``reference`` (the array-API implementation: every array library, device and
+        floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
+        zero-copy, float32 and float64; channels first or last); GPU kernels (``cupy``:
+        CUDA C compiled through CuPy's ``RawModule``; ``numba_cuda``) for CuPy arrays
+        and CUDA torch tensors, where ``pnn.capabilities()`` lists them.
+        ``pnn.explain`` reports which one a call runs and why the others were passed
+        over.
     """
     return _CONV(
         x, weight, bias, stride=stride, padding=padding, dilation=dilation, groups=groups,

@@ -70,21 +70,13 @@ def dense(x: Any, weight: Any, bias: Any = None, *, activation: ActivationLike =
             ``x`` is one sample, and leading axes of size 0).
         weight: ``(out_features, in_features)``.
         bias: ``(out_features,)`` or ``None``.
-        activation: fused activation (see :mod:`portable_nn.api.activations`).
+        activation: fused activation, a name or an :class:`Activation` (see
+            :data:`ACTIVATIONS`).
 
     Returns:
         ``y`` of shape ``(..., out_features)`` with ``x``'s dtype.
         float16/bfloat16 ``x`` may come with float32 ``weight``/``bias``: the
         product accumulates in float32.
-
-    ``vjp`` fields: ``(x, weight, bias)``; with ``g = dy · act'`` over the rows
-    ``x`` flattened to ``(M, in_features)``: dx = g · weight, dweight = gᵀ · x,
-    dbias = Σ_rows g (reduced with the activation derivative).  Besides ``x``
-    and ``weight``, the backward keeps nothing for the identity, ``y`` alone
-    when the activation's derivative is a function of its output (relu,
-    sigmoid, tanh, leaky_relu with a positive slope; float32 values for half
-    data), else the pre-activation.
-    Backends: reference; see ``pnn.capabilities()``.
 
     Raises:
         ValueError: a weight that is not 2-D, ``x``'s last axis not
@@ -92,5 +84,22 @@ def dense(x: Any, weight: Any, bias: Any = None, *, activation: ActivationLike =
             activation.
         TypeError: non-arrays, non-floating dtypes, dtype mixes other than half
             data with float32 parameters, arrays of different libraries.
+
+    Gradients:
+        ``vjp`` fields: ``(x, weight, bias)``; with ``g = dy · act'`` over the rows
+        ``x`` flattened to ``(M, in_features)``: dx = g · weight, dweight = gᵀ · x,
+        dbias = Σ_rows g (reduced with the activation derivative).  Besides ``x`` and
+        ``weight``, the backward keeps nothing for the identity, ``y`` alone when the
+        activation's derivative is a function of its output (relu, sigmoid, tanh,
+        leaky_relu with a positive slope; float32 values for half data), else the
+        pre-activation.
+
+    Backends:
+        ``reference`` (the array-API implementation: every array library, device and
+        floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
+        zero-copy, float32 and float64); GPU kernels (``cupy``: CUDA C compiled through
+        CuPy's ``RawModule``; ``numba_cuda``) for CuPy arrays and CUDA torch tensors,
+        where ``pnn.capabilities()`` lists them. ``pnn.explain`` reports which one a
+        call runs and why the others were passed over.
     """
     return _DENSE(x, weight, bias, activation=activation)

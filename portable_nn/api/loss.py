@@ -61,14 +61,28 @@ def log_softmax(x: Any, *, axis: int = -1) -> Any:
     y = x − m − log Σ_axis exp(x − m), with m = max_axis x.
 
     Args:
-        x: any floating array (float16/bfloat16 are computed in float32).
+        x: any floating array (float16/bfloat16 are computed in float32); a 0-d
+            ``x`` is a single class (``y = 0``).
         axis: the axis to normalise over (keyword-only).
 
     Returns:
         ``y`` with ``x``'s shape and dtype.
 
-    ``vjp`` fields: ``(x,)``; dx = dy − softmax(x) · Σ_axis dy, computed from the
-    output alone.  Backends: reference; see ``pnn.capabilities()``.
+    Raises:
+        TypeError: a non-array or non-floating ``x``, a non-int ``axis``.
+        ValueError: ``axis`` out of range.
+
+    Gradients:
+        ``vjp`` fields: ``(x,)``; dx = dy − softmax(x) · Σ_axis dy, computed from the
+        output alone.
+
+    Backends:
+        ``reference`` (the array-API implementation: every array library, device and
+        floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
+        zero-copy, float32 and float64); GPU kernels (``cupy``: CUDA C compiled through
+        CuPy's ``RawModule``; ``numba_cuda``) for CuPy arrays and CUDA torch tensors,
+        where ``pnn.capabilities()`` lists them. ``pnn.explain`` reports which one a
+        call runs and why the others were passed over.
     """
     return _LOG_SOFTMAX(x, axis=axis)
 
@@ -243,13 +257,6 @@ def cross_entropy(
         The loss in the logits' dtype: 0-d for ``"mean"``/``"sum"``, the
         positions' shape for ``"none"``.
 
-    The forward is max-shifted; the backward is fused: with a_{n,c} the target
-    weights above and g_n the incoming scale (dy, divided by the mean's
-    denominator), dlogits = g_n · (softmax · Σ_c a_{n,c} − a_{n,c}) and, for
-    probability targets, dtarget = −g_n (1 − ε) w_c p_{n,c}.
-    ``vjp`` fields: ``(logits,)`` for integer targets, ``(logits, target)`` for
-    probability targets.  Backends: reference; see ``pnn.capabilities()``.
-
     Raises:
         ValueError: labels out of range (naming ``target``), a target or
             weight shape that does not fit, ``label_smoothing`` outside [0, 1],
@@ -258,6 +265,21 @@ def cross_entropy(
         TypeError: non-arrays, mixed libraries, non-floating logits, a target
             that is neither integer nor of the logits' floating dtype, a
             weight of the wrong dtype.
+
+    Gradients:
+        ``vjp`` fields: ``(logits,)`` for integer targets, ``(logits, target)`` for
+        probability targets.  The forward is max-shifted; the backward is fused: with
+        a_{n,c} the target weights above and g_n the incoming scale (dy, divided by the
+        mean's denominator), dlogits = g_n · (softmax · Σ_c a_{n,c} − a_{n,c}) and, for
+        probability targets, dtarget = −g_n (1 − ε) w_c p_{n,c}.
+
+    Backends:
+        ``reference`` (the array-API implementation: every array library, device and
+        floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
+        zero-copy, float32 and float64); GPU kernels (``cupy``: CUDA C compiled through
+        CuPy's ``RawModule``; ``numba_cuda``) for CuPy arrays and CUDA torch tensors,
+        where ``pnn.capabilities()`` lists them. ``pnn.explain`` reports which one a
+        call runs and why the others were passed over.
     """
     return _CROSS_ENTROPY(
         logits, target, axis=axis, weight=weight, ignore_index=ignore_index,

@@ -175,38 +175,69 @@ def moments(
 ) -> tuple[Any, Any]:
     """Mean and variance of ``x`` over ``axis``, computed stably.
 
-    mean = Σx / n,  var = Σ(x − mean)² / (n − correction), from shifted two-pass
-    sums (never E[x²] − E[x]²), so data with a large offset keeps its precision.
+    With n the number of reduced elements (``x.size`` for ``axis=None``):
+
+        mean = Σ x / n,    var = Σ (x − mean)² / (n − correction)
+
+    from shifted two-pass sums (never E[x²] − E[x]²), so data with a large
+    offset keeps its precision.  Partial results of disjoint parts combine with
+    :func:`merge_moments`.
 
     Args:
-        x: floating array.
+        x: floating array, any shape.
         axis: int, tuple of ints, or ``None`` for all axes.
         keepdims: keep reduced axes with size 1.
-        correction: 0 for the population variance, 1 for the unbiased one.
+        correction: 0 for the population variance, 1 for the unbiased one (any
+            non-negative number).
 
     Returns:
-        ``(mean, var)``; float32 for float16/bfloat16 ``x``, else ``x``'s dtype.
-        An empty reduction gives NaN variance when ``n <= correction``.
+        ``(mean, var)`` with ``x``'s shape less the reduced axes (size 1 with
+        ``keepdims``); float32 for float16/bfloat16 ``x``, else ``x``'s dtype.
+        An empty reduction gives NaN mean; the variance is NaN when
+        ``n <= correction``.
 
-    ``vjp`` field: ``(x,)``; the pullback takes ``(dmean, dvar)``.
-    Backends: reference (all array libraries).
+    Raises:
+        TypeError: a non-array or non-floating ``x``, a non-int axis.
+        ValueError: an axis out of range or repeated, a negative ``correction``.
+
+    Gradients:
+        ``vjp`` fields: ``(x,)``; the pullback takes ``(dmean, dvar)`` (either may be
+        ``None``): dx = dmean / n + dvar · 2 (x − mean) / (n − correction).
+
+    Backends:
+        ``reference`` (every array library, device and floating dtype); kernels, when
+        any are registered, appear in ``pnn.capabilities()``, and ``pnn.explain``
+        reports which implementation a call runs.
     """
     return _MOMENTS(x, axis, keepdims=keepdims, correction=correction)
 
 
 def merge_moments(a: tuple[Any, Any, Any], b: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
-    """Combine partial statistics ``(n, mean, m2)`` of two disjoint parts (Chan et al.).
+    """Combine the partial statistics ``(n, mean, m2)`` of two disjoint parts (Chan et al.).
 
-    ``m2`` is the sum of squared deviations (``var * n`` for the population
-    variance).  With δ = mean_b − mean_a and n = n_a + n_b::
+    ``m2`` is the sum of squared deviations, Σ (x − mean)² (``var * n`` for the
+    population variance, so var = m2 / (n − correction) afterwards).  With
+    δ = mean_b − mean_a and n = n_a + n_b:
 
         mean = mean_a + δ · n_b / n,   m2 = m2_a + m2_b + δ² · n_a · n_b / n
 
     Counts may be Python numbers or arrays broadcasting with the means; a part
-    with ``n = 0`` contributes nothing.  Works on any array-API arrays.
+    with ``n = 0`` contributes nothing (its mean and m2 may be NaN).  Works on
+    any array-API arrays (not dispatched, no ``vjp``); count arrays take the
+    statistics' dtype for the ratios.
+
+    Args:
+        a: the first part's ``(n_a, mean_a, m2_a)``, a tuple or list of three.
+        b: the second part's ``(n_b, mean_b, m2_b)``, with means and m2 of the
+            same library as ``a``'s.
 
     Returns:
-        ``(n, mean, m2)`` of the union.
+        ``(n, mean, m2)`` of the union; ``n = n_a + n_b``.
+
+    Raises:
+        TypeError: ``a`` or ``b`` is not a 3-tuple, or their arrays come from
+            different libraries.
+        ValueError: arrays on different devices.
     """
     for which, part in (("a", a), ("b", b)):
         if not isinstance(part, (tuple, list)) or len(part) != 3:
@@ -340,31 +371,66 @@ def batch_norm(
 ) -> Any:
     """Batch normalisation with a fused activation.
 
-    y = act((x − mean_c) / sqrt(var_c + eps) · weight_c + bias_c), statistics per
-    channel over every other axis: the batch's when ``training``, else the
-    running ones.  In training with running statistics, PyTorch's update
-    r ← (1 − momentum)·r + momentum·s runs, with the unbiased batch variance
+    Per channel c, over every other axis (batch and spatial):
+
+        y = act((x − mean_c) / sqrt(var_c + eps) · weight_c + bias_c)
+
+    with the batch's statistics (population variance) when ``training``, else
+    the running ones.  In training with running statistics, PyTorch's update
+    r ← (1 − momentum) · r + momentum · s runs, with the unbiased batch variance
     going into ``running_var``.
 
     Args:
-        x: ``(N, C, *spatial)`` (or ``(N, *spatial, C)`` with ``channel_axis=-1``).
-        weight, bias: ``(C,)`` or ``None`` (no scale / no shift).
-        running_mean, running_var: ``(C,)`` running statistics, keyword-only.
-            Updated in place unless ``return_stats``; required when not training.
-        training: use batch statistics (and update the running ones).
-        momentum: weight of the new batch statistics, in [0, 1].
+        x: ``(N, C, *spatial)`` (or ``(N, *spatial, C)`` with ``channel_axis=-1``),
+            at least 2-D.
+        weight: ``(C,)`` scale, or ``None`` for none.
+        bias: ``(C,)`` shift, or ``None`` for none.
+        running_mean: ``(C,)`` running mean, keyword-only; given together with
+            ``running_var``.  Updated in place when training unless
+            ``return_stats``; required when not training.
+        running_var: ``(C,)`` running variance, keyword-only, as ``running_mean``.
+        training: normalise with the batch statistics (and update the running
+            ones); ``False`` normalises with the running statistics.
+        momentum: weight of the new batch statistics in the update, in [0, 1].
         eps: added to the variance, > 0.
-        channel_axis: the channel axis, 1 (NCHW) or -1 (NHWC).
-        activation: see :mod:`portable_nn.api.activations`.
-        return_stats: mutate nothing and return the new statistics instead.
+        channel_axis: the channel axis: 1 (channels first, the default), -1
+            (channels last) or any other axis but 0, the batch axis.
+        activation: fused activation, a name or an :class:`Activation` (see
+            :data:`ACTIVATIONS`).
+        return_stats: mutate nothing and return the new running statistics
+            instead.
 
     Returns:
         ``y`` (``x``'s dtype and shape), or ``(y, new_running_mean,
-        new_running_var)`` with ``return_stats=True``.
+        new_running_var)`` with ``return_stats=True`` (the given running
+        statistics unchanged when not training).  float16/bfloat16 ``x`` may come
+        with float32 parameters and statistics; statistics are then float32.
 
-    float16/bfloat16 ``x`` may come with float32 parameters and statistics.
-    ``vjp`` fields: ``(x, weight, bias)``.  Backends: reference; see
-    ``pnn.capabilities()`` for kernels.
+    Raises:
+        ValueError: shapes that do not fit, ``channel_axis=0``, only one of the
+            running statistics, none when ``training=False``, one value per
+            channel when training, read-only or identical running statistics
+            to update in place, ``eps <= 0``, ``momentum`` outside [0, 1], an
+            unknown activation, arrays on different devices.
+        TypeError: non-arrays, arrays of different libraries, a non-floating
+            ``x``, dtype mixes other than float16/bfloat16 ``x`` with float32
+            parameters, non-bool flags or non-numeric scalars.
+
+    Gradients:
+        ``vjp`` fields: ``(x, weight, bias)``.  With g = dy ⊙ act'(z) (z the
+        pre-activation), w = weight (1 when ``None``), x̂ = (x − mean_c) / sqrt(var_c +
+        eps) and means over the channel's elements: dbias_c = Σ g, dweight_c = Σ g ⊙ x̂;
+        in training dx = (g·w − mean(g·w) − x̂ · mean(g·w ⊙ x̂)) / sqrt(var_c + eps),
+        with running statistics dx = g·w / sqrt(var_c + eps).
+
+    Backends:
+        ``reference`` (the array-API implementation: every array library, device and
+        floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
+        zero-copy, float32 and float64; channels first or last, other channel axes run
+        on the reference); GPU kernels (``cupy``: CUDA C compiled through CuPy's
+        ``RawModule``; ``numba_cuda``) for CuPy arrays and CUDA torch tensors, where
+        ``pnn.capabilities()`` lists them.  ``pnn.explain`` reports which one a call
+        runs and why the others were passed over.
     """
     return _BATCH_NORM(
         x, weight, bias, running_mean=running_mean, running_var=running_var, training=training,
@@ -417,18 +483,47 @@ def layer_norm(
 ) -> Any:
     """Layer normalisation over the trailing ``axis`` with a fused activation.
 
-    y = act((x − mean) / sqrt(var + eps) · weight + bias), statistics over the
-    trailing axes named by ``axis`` (PyTorch's ``normalized_shape``).
+    Per sample, over the trailing axes named by ``axis`` (PyTorch's
+    ``normalized_shape``), elementwise weight and bias:
+
+        y = act((x − mean) / sqrt(var + eps) · weight + bias)
+
+    with the population variance.
 
     Args:
         x: any shape with at least the normalised axes.
-        weight, bias: shape ``x.shape[axis]`` (the normalised shape) or ``None``.
-        axis: int or tuple of the trailing axes, e.g. ``-1`` or ``(-2, -1)``.
+        weight: the normalised shape ``x.shape[axis]``, or ``None`` for no scale.
+        bias: the normalised shape, or ``None`` for no shift.
+        axis: int or tuple naming the trailing axes, e.g. ``-1`` or ``(-2, -1)``.
         eps: added to the variance, > 0.
-        activation: see :mod:`portable_nn.api.activations`.
+        activation: fused activation, a name or an :class:`Activation` (see
+            :data:`ACTIVATIONS`).
 
     Returns:
-        ``y`` with ``x``'s shape and dtype.  ``vjp`` fields: ``(x, weight, bias)``.
+        ``y`` with ``x``'s shape and dtype.  float16/bfloat16 ``x`` may come with
+        float32 ``weight``/``bias`` (statistics in float32).
+
+    Raises:
+        ValueError: axes that are not the trailing ones, out of range or
+            repeated; a weight or bias that is not the normalised shape;
+            ``eps <= 0``; an unknown activation; arrays on different devices.
+        TypeError: non-arrays, arrays of different libraries, a non-floating
+            ``x``, dtype mixes other than float16/bfloat16 ``x`` with float32
+            parameters, non-bool flags or non-numeric scalars.
+
+    Gradients:
+        ``vjp`` fields: ``(x, weight, bias)``.  With g = dy ⊙ act'(z), w = weight (1
+        when ``None``), x̂ = (x − mean) / sqrt(var + eps) and means over the normalised
+        axes: dbias = Σ g and dweight = Σ g ⊙ x̂ over the other axes, dx = (g·w −
+        mean(g·w) − x̂ · mean(g·w ⊙ x̂)) / sqrt(var + eps).
+
+    Backends:
+        ``reference`` (the array-API implementation: every array library, device and
+        floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
+        zero-copy, float32 and float64); GPU kernels (``cupy``: CUDA C compiled through
+        CuPy's ``RawModule``; ``numba_cuda``) for CuPy arrays and CUDA torch tensors,
+        where ``pnn.capabilities()`` lists them.  ``pnn.explain`` reports which one a
+        call runs and why the others were passed over.
     """
     return _LAYER_NORM(x, weight, bias, axis=axis, eps=eps, activation=activation)
 
@@ -454,16 +549,44 @@ _RMS_NORM = OpSpec("rms_norm", _prepare_rms_norm, ("x", "weight"))
 
 @public_op(_RMS_NORM)
 def rms_norm(x: Any, weight: Any = None, *, axis: int | tuple[int, ...] = -1, eps: float = 1e-6) -> Any:
-    """Root-mean-square normalisation: y = x / sqrt(mean(x²) + eps) · weight.
+    """Root-mean-square normalisation over the trailing ``axis``.
+
+    Per sample, over the trailing axes named by ``axis``:
+
+        y = x / sqrt(mean(x²) + eps) · weight
+
+    (no centring, no bias, no activation — as ``torch.nn.functional.rms_norm``).
 
     Args:
         x: any shape with at least the normalised axes.
-        weight: shape ``x.shape[axis]`` or ``None``.  There is no bias.
-        axis: int or tuple of the trailing axes.
+        weight: the normalised shape ``x.shape[axis]``, or ``None`` for no scale.
+        axis: int or tuple naming the trailing axes, e.g. ``-1`` or ``(-2, -1)``.
         eps: added to the mean square, > 0.
 
     Returns:
-        ``y`` with ``x``'s shape and dtype.  ``vjp`` fields: ``(x, weight)``.
+        ``y`` with ``x``'s shape and dtype.  float16/bfloat16 ``x`` may come with
+        a float32 ``weight`` (statistics in float32).
+
+    Raises:
+        ValueError: axes that are not the trailing ones, out of range or
+            repeated; a weight that is not the normalised shape; ``eps <= 0``;
+            arrays on different devices.
+        TypeError: non-arrays, arrays of different libraries, a non-floating
+            ``x``, dtype mixes other than float16/bfloat16 ``x`` with float32
+            parameters, non-bool flags or non-numeric scalars.
+
+    Gradients:
+        ``vjp`` fields: ``(x, weight)``.  With r = 1 / sqrt(mean(x²) + eps), w = weight
+        (1 when ``None``), x̂ = x · r and means over the normalised axes: dweight = Σ dy
+        ⊙ x̂ over the other axes, dx = r · (dy·w − x̂ · mean(dy·w ⊙ x̂)).
+
+    Backends:
+        ``reference`` (the array-API implementation: every array library, device and
+        floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
+        zero-copy, float32 and float64); GPU kernels (``cupy``: CUDA C compiled through
+        CuPy's ``RawModule``; ``numba_cuda``) for CuPy arrays and CUDA torch tensors,
+        where ``pnn.capabilities()`` lists them.  ``pnn.explain`` reports which one a
+        call runs and why the others were passed over.
     """
     return _RMS_NORM(x, weight, axis=axis, eps=eps)
 
@@ -519,20 +642,53 @@ def group_norm(
 ) -> Any:
     """Group normalisation with a fused activation.
 
-    The C channels are split into ``num_groups`` groups; each sample's group is
-    normalised over its channels and spatial positions, then scaled and shifted
-    per channel: y = act(x̂ · weight_c + bias_c).
+    The C channels are split into ``num_groups`` groups of C / num_groups
+    consecutive channels; each sample's group is normalised over its channels
+    and spatial positions, then scaled and shifted per channel:
+
+        y = act((x − mean_{n,g}) / sqrt(var_{n,g} + eps) · weight_c + bias_c)
+
+    with the population variance (``torch.nn.functional.group_norm`` plus the
+    activation).
 
     Args:
-        x: ``(N, C, *spatial)`` (or ``(N, *spatial, C)`` with ``channel_axis=-1``).
-        num_groups: divides C.
-        weight, bias: ``(C,)`` or ``None``.
+        x: ``(N, C, *spatial)`` (or ``(N, *spatial, C)`` with ``channel_axis=-1``),
+            at least 2-D.
+        num_groups: the number of groups, >= 1, dividing C.
+        weight: ``(C,)`` scale, or ``None`` for none.
+        bias: ``(C,)`` shift, or ``None`` for none.
         eps: added to the variance, > 0.
-        channel_axis: 1 or -1.
-        activation: see :mod:`portable_nn.api.activations`.
+        channel_axis: the channel axis: 1 (channels first, the default), -1
+            (channels last) or any other axis but 0, the batch axis.
+        activation: fused activation, a name or an :class:`Activation` (see
+            :data:`ACTIVATIONS`).
 
     Returns:
-        ``y`` with ``x``'s shape and dtype.  ``vjp`` fields: ``(x, weight, bias)``.
+        ``y`` with ``x``'s shape and dtype.  float16/bfloat16 ``x`` may come with
+        float32 ``weight``/``bias`` (statistics in float32).
+
+    Raises:
+        ValueError: ``num_groups`` < 1 or not dividing C, weight or bias not
+            ``(C,)``, ``channel_axis=0``, ``eps <= 0``, an unknown activation,
+            arrays on different devices.
+        TypeError: non-arrays, arrays of different libraries, a non-floating
+            ``x``, dtype mixes other than float16/bfloat16 ``x`` with float32
+            parameters, non-bool flags or non-numeric scalars.
+
+    Gradients:
+        ``vjp`` fields: ``(x, weight, bias)``.  With g = dy ⊙ act'(z), w = weight (1
+        when ``None``), x̂ the normalised x and means over each (sample, group): dbias_c
+        = Σ g and dweight_c = Σ g ⊙ x̂ over the batch and spatial axes, dx = (g·w −
+        mean(g·w) − x̂ · mean(g·w ⊙ x̂)) / sqrt(var_{n,g} + eps).
+
+    Backends:
+        ``reference`` (the array-API implementation: every array library, device and
+        floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
+        zero-copy, float32 and float64; channels first or last, other channel axes run
+        on the reference); GPU kernels (``cupy``: CUDA C compiled through CuPy's
+        ``RawModule``; ``numba_cuda``) for CuPy arrays and CUDA torch tensors, where
+        ``pnn.capabilities()`` lists them.  ``pnn.explain`` reports which one a call
+        runs and why the others were passed over.
     """
     return _GROUP_NORM(x, num_groups, weight, bias, eps=eps, channel_axis=channel_axis, activation=activation)
 
@@ -616,23 +772,67 @@ def instance_norm(
     """Instance normalisation with a fused activation.
 
     Each sample's channel is normalised over its spatial positions, then scaled
-    and shifted per channel.  With running statistics and ``use_input_stats``,
-    they are updated as PyTorch does (momentum update with the batch average of
-    the per-instance mean and unbiased variance); with
-    ``use_input_stats=False`` the running statistics normalise instead.
+    and shifted per channel; for sample n and channel c:
+
+        y = act((x − mean_{n,c}) / sqrt(var_{n,c} + eps) · weight_c + bias_c)
+
+    with the population variance.  With running statistics and
+    ``use_input_stats``, they are updated as PyTorch does,
+    r ← (1 − momentum) · r + momentum · s, with s the batch average of the
+    per-instance mean and unbiased variance.  With ``use_input_stats=False``
+    the running statistics normalise instead (mean_c, var_c for every sample).
 
     Args:
-        x: ``(N, C, *spatial)`` with at least one spatial axis (or channels last).
-        weight, bias: ``(C,)`` or ``None``.
-        running_mean, running_var: ``(C,)``, keyword-only, optional.
-        use_input_stats: normalise with each instance's statistics.
-        momentum: in [0, 1].  eps: > 0.  channel_axis: 1 or -1.
-        activation: see :mod:`portable_nn.api.activations`.
-        return_stats: mutate nothing and return ``(y, new_mean, new_var)``.
+        x: ``(N, C, *spatial)`` with at least one spatial axis (or
+            ``(N, *spatial, C)`` with ``channel_axis=-1``).
+        weight: ``(C,)`` scale, or ``None`` for none.
+        bias: ``(C,)`` shift, or ``None`` for none.
+        running_mean: ``(C,)`` running mean, keyword-only, optional; given
+            together with ``running_var``.  Updated in place when
+            ``use_input_stats`` unless ``return_stats``; required when not.
+        running_var: ``(C,)`` running variance, keyword-only, as ``running_mean``.
+        use_input_stats: normalise with each instance's statistics (and update
+            the running ones); ``False`` uses the running statistics.
+        momentum: weight of the new statistics in the update, in [0, 1].
+        eps: added to the variance, > 0.
+        channel_axis: the channel axis: 1 (channels first, the default), -1
+            (channels last) or any other axis but 0, the batch axis.
+        activation: fused activation, a name or an :class:`Activation` (see
+            :data:`ACTIVATIONS`).
+        return_stats: mutate nothing and return the new running statistics
+            instead.
 
     Returns:
-        ``y``, or ``(y, new_running_mean, new_running_var)`` with ``return_stats``.
-        ``vjp`` fields: ``(x, weight, bias)``.
+        ``y`` with ``x``'s shape and dtype, or ``(y, new_running_mean,
+        new_running_var)`` with ``return_stats=True``.  float16/bfloat16 ``x``
+        may come with float32 parameters and statistics.
+
+    Raises:
+        ValueError: ``x`` with fewer than 3 dimensions, shapes that do not fit,
+            ``channel_axis=0``, only one of the running statistics, none when
+            ``use_input_stats=False``, a single spatial element with
+            ``use_input_stats``, read-only or identical running statistics to
+            update in place, ``eps <= 0``, ``momentum`` outside [0, 1], an
+            unknown activation, arrays on different devices.
+        TypeError: non-arrays, arrays of different libraries, a non-floating
+            ``x``, dtype mixes other than float16/bfloat16 ``x`` with float32
+            parameters, non-bool flags or non-numeric scalars.
+
+    Gradients:
+        ``vjp`` fields: ``(x, weight, bias)``.  With g = dy ⊙ act'(z), w = weight (1
+        when ``None``), x̂ the normalised x and means over each instance's spatial
+        positions: dbias_c = Σ g and dweight_c = Σ g ⊙ x̂ over the batch and spatial
+        axes; with input statistics dx = (g·w − mean(g·w) − x̂ · mean(g·w ⊙ x̂)) /
+        sqrt(var_{n,c} + eps), with running statistics dx = g·w / sqrt(var_c + eps).
+
+    Backends:
+        ``reference`` (the array-API implementation: every array library, device and
+        floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
+        zero-copy, float32 and float64; channels first or last, other channel axes run
+        on the reference); GPU kernels (``cupy``: CUDA C compiled through CuPy's
+        ``RawModule``; ``numba_cuda``) for CuPy arrays and CUDA torch tensors, where
+        ``pnn.capabilities()`` lists them.  ``pnn.explain`` reports which one a call
+        runs and why the others were passed over.
     """
     return _INSTANCE_NORM(
         x, weight, bias, running_mean=running_mean, running_var=running_var,

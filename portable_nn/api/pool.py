@@ -201,18 +201,28 @@ def max_pool(
         ``floor((L + 2·padding − dilation·(window − 1) − 1) / stride) + 1``
         (``ceil`` with ``ceil_mode``).
 
-    Gradient: each window's cotangent goes to the first maximum of the window in
-    row-major window order (ties go to the earliest position), as PyTorch does.
-    NaN propagates: a window holding NaN outputs NaN and its gradient goes to a
-    NaN position (the last one in window order, like PyTorch's CPU kernels).
-    A window that covers only padding outputs −∞ and passes no gradient.
-    ``vjp`` fields: ``(x,)``.  Backends: reference; see ``pnn.capabilities()``.
-
     Raises:
         ValueError: a window larger than the padded input, a non-positive
             window, stride or dilation, padding above ``window // 2``, tuple
             arguments of the wrong length, an unsupported ``channel_axis``.
         TypeError: non-array or non-floating ``x``, non-int geometry arguments.
+
+    Gradients:
+        ``vjp`` fields: ``(x,)``.  Each window's cotangent goes to the first
+        maximum of the window in row-major window order (ties go to the earliest
+        position), as PyTorch does; dx sums them.  NaN propagates: a window holding
+        NaN outputs NaN and its gradient goes to a NaN position (the last one in
+        window order, like PyTorch's CPU kernels).  A window that covers only
+        padding outputs −∞ and passes no gradient.
+
+    Backends:
+        ``reference`` (the array-API implementation: every array library, device and
+        floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
+        zero-copy, float32 and float64; channels first or last); GPU kernels (``cupy``:
+        CUDA C compiled through CuPy's ``RawModule``; ``numba_cuda``) for CuPy arrays
+        and CUDA torch tensors, where ``pnn.capabilities()`` lists them.
+        ``pnn.explain`` reports which one a call runs and why the others were passed
+        over.
     """
     return _MAX_POOL(
         x, window, stride=stride, padding=padding, dilation=dilation, ceil_mode=ceil_mode,
@@ -282,14 +292,23 @@ def avg_pool(
         spatial size is ``floor((L + 2·padding − window) / stride) + 1``
         (``ceil`` with ``ceil_mode``).
 
-    ``vjp`` fields: ``(x,)``; dx spreads dy / divisor over each window.
-    Backends: reference; see ``pnn.capabilities()``.
-
     Raises:
         ValueError: a window larger than the padded input, a non-positive
             window or stride, padding above ``window // 2``, tuple arguments of
             the wrong length, an unsupported ``channel_axis``.
         TypeError: non-array or non-floating ``x``, non-int geometry arguments.
+
+    Gradients:
+        ``vjp`` fields: ``(x,)``; dx spreads dy / divisor over each window.
+
+    Backends:
+        ``reference`` (the array-API implementation: every array library, device and
+        floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
+        zero-copy, float32 and float64; channels first or last); GPU kernels (``cupy``:
+        CUDA C compiled through CuPy's ``RawModule``; ``numba_cuda``) for CuPy arrays
+        and CUDA torch tensors, where ``pnn.capabilities()`` lists them.
+        ``pnn.explain`` reports which one a call runs and why the others were passed
+        over.
     """
     return _AVG_POOL(
         x, window, stride=stride, padding=padding, ceil_mode=ceil_mode,

@@ -162,23 +162,42 @@ def rnn_cell(
     *,
     activation: ActivationLike = "tanh",
 ) -> Any:
-    """One step of an Elman RNN: h' = act(x·w_ihᵀ + b_ih + h·w_hhᵀ + b_hh).
+    """One step of an Elman RNN, like ``torch.rnn_tanh_cell`` / ``torch.rnn_relu_cell``:
 
-    Like ``torch.rnn_tanh_cell`` / ``torch.rnn_relu_cell``.
+        h' = act(x·w_ihᵀ + b_ih + h·w_hhᵀ + b_hh)
 
     Args:
         x: ``(N, I)``, or ``(I,)`` for one unbatched sample.
         h: ``(N, H)`` (``(H,)`` when unbatched), x's dtype.
-        w_ih: ``(H, I)``.  w_hh: ``(H, H)``.
-        b_ih, b_hh: ``(H,)`` or ``None``.
+        w_ih: ``(H, I)`` input-to-hidden weights.
+        w_hh: ``(H, H)`` hidden-to-hidden weights.
+        b_ih: ``(H,)`` or ``None``.
+        b_hh: ``(H,)`` or ``None``.
         activation: ``"tanh"`` (default) or ``"relu"``.
 
     Returns:
-        ``h'`` with h's shape and x's dtype.
+        ``h'`` with h's shape and x's dtype.  float16/bfloat16 ``x`` may come
+        with float32 weights (computed in float32).
 
-    float16/bfloat16 ``x`` may come with float32 weights (computed in float32).
-    ``vjp`` fields: ``(x, h, w_ih, w_hh, b_ih, b_hh)``.  Backends: reference; see
-    ``pnn.capabilities()`` for kernels.
+    Raises:
+        ValueError: ``x`` neither 1-D nor 2-D, states or weights whose shapes do
+            not fit (the message gives the expected shape), arrays on different
+            devices, an activation other than tanh or relu.
+        TypeError: non-arrays, arrays of different libraries, a non-floating
+            ``x``, states not in ``x``'s dtype, weight dtype mixes other than
+            float16/bfloat16 ``x`` with float32 weights.
+
+    Gradients:
+        ``vjp`` fields: ``(x, h, w_ih, w_hh, b_ih, b_hh)``.  With g = dh' ⊙ act'(z): dx
+        = g·w_ih, dh = g·w_hh, dw_ih = gᵀ·x, dw_hh = gᵀ·h, db_ih = db_hh = Σ_N g.
+
+    Backends:
+        ``reference`` (the array-API implementation: every array library, device and
+        floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
+        zero-copy, float32 and float64); GPU kernels (``cupy``: CUDA C compiled through
+        CuPy's ``RawModule``; ``numba_cuda``) for CuPy arrays and CUDA torch tensors,
+        where ``pnn.capabilities()`` lists them. ``pnn.explain`` reports which one a
+        call runs and why the others were passed over.
     """
     return _RNN_CELL(x, h, w_ih, w_hh, b_ih, b_hh, activation=activation)
 
@@ -187,23 +206,50 @@ def rnn_cell(
 def lstm_cell(
     x: Any, h: Any, c: Any, w_ih: Any, w_hh: Any, b_ih: Any = None, b_hh: Any = None
 ) -> tuple[Any, Any]:
-    """One LSTM step, gate order i, f, g, o (like ``torch.lstm_cell``)::
+    """One LSTM step, gate order i, f, g, o (like ``torch.lstm_cell``):
 
         [i f g o] = [σ σ tanh σ](x·w_ihᵀ + b_ih + h·w_hhᵀ + b_hh)
         c' = f ⊙ c + i ⊙ g,    h' = o ⊙ tanh(c')
 
     Args:
         x: ``(N, I)``, or ``(I,)`` for one unbatched sample.
-        h, c: ``(N, H)`` (``(H,)`` when unbatched), x's dtype.
-        w_ih: ``(4H, I)``.  w_hh: ``(4H, H)``.
-        b_ih, b_hh: ``(4H,)`` or ``None``.
+        h: ``(N, H)`` hidden state (``(H,)`` when unbatched), x's dtype.
+        c: ``(N, H)`` cell state, h's shape, x's dtype.
+        w_ih: ``(4H, I)``, the four gates' rows stacked i, f, g, o.
+        w_hh: ``(4H, H)``, stacked likewise.
+        b_ih: ``(4H,)`` or ``None``.
+        b_hh: ``(4H,)`` or ``None``.
 
     Returns:
-        ``(h', c')``, each with h's shape and x's dtype.
+        ``(h', c')``, each with h's shape and x's dtype.  float16/bfloat16 ``x``
+        may come with float32 weights (computed in float32).
 
-    ``vjp`` fields: ``(x, h, c, w_ih, w_hh, b_ih, b_hh)``; the pullback takes
-    ``(dh', dc')``, either of which may be ``None``.  Backends: reference; see
-    ``pnn.capabilities()`` for kernels.
+    Raises:
+        ValueError: ``x`` neither 1-D nor 2-D, states or weights whose shapes do
+            not fit (the message gives the expected shape), arrays on different
+            devices.
+        TypeError: non-arrays, arrays of different libraries, a non-floating
+            ``x``, states not in ``x``'s dtype, weight dtype mixes other than
+            float16/bfloat16 ``x`` with float32 weights.
+
+    Gradients:
+        ``vjp`` fields: ``(x, h, c, w_ih, w_hh, b_ih, b_hh)``; the pullback takes
+        ``(dh', dc')``, either of which may be ``None``.  With da the gradient of
+        the four gates' pre-activations, stacked i, f, g, o:
+
+            dc_total = dc' + dh' ⊙ o ⊙ (1 − tanh²(c'))
+            da_i = dc_total ⊙ g ⊙ i(1 − i),    da_f = dc_total ⊙ c ⊙ f(1 − f)
+            da_g = dc_total ⊙ i ⊙ (1 − g²),    da_o = dh' ⊙ tanh(c') ⊙ o(1 − o)
+            dx = da·w_ih,   dh = da·w_hh,   dc = dc_total ⊙ f
+            dw_ih = daᵀ·x,  dw_hh = daᵀ·h,  db_ih = db_hh = Σ_N da
+
+    Backends:
+        ``reference`` (the array-API implementation: every array library, device and
+        floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
+        zero-copy, float32 and float64); GPU kernels (``cupy``: CUDA C compiled through
+        CuPy's ``RawModule``; ``numba_cuda``) for CuPy arrays and CUDA torch tensors,
+        where ``pnn.capabilities()`` lists them. ``pnn.explain`` reports which one a
+        call runs and why the others were passed over.
     """
     return _LSTM_CELL(x, h, c, w_ih, w_hh, b_ih, b_hh)
 
@@ -219,7 +265,7 @@ def gru_cell(
     *,
     reset_after: bool = True,
 ) -> Any:
-    """One GRU step, gate order r, z, n::
+    """One GRU step, gate order r, z, n:
 
         r, z = σ(x·w_ih,rzᵀ + b_ih,rz + h·w_hh,rzᵀ + b_hh,rz)
         reset_after=True  (PyTorch/cuDNN): n = tanh(x·w_inᵀ + b_in + r ⊙ (h·w_hnᵀ + b_hn))
@@ -231,15 +277,38 @@ def gru_cell(
     Args:
         x: ``(N, I)``, or ``(I,)`` for one unbatched sample.
         h: ``(N, H)`` (``(H,)`` when unbatched), x's dtype.
-        w_ih: ``(3H, I)``.  w_hh: ``(3H, H)``.
-        b_ih, b_hh: ``(3H,)`` or ``None``.
+        w_ih: ``(3H, I)``, the gates' rows stacked r, z, n.
+        w_hh: ``(3H, H)``, stacked likewise.
+        b_ih: ``(3H,)`` or ``None``.
+        b_hh: ``(3H,)`` or ``None``.
         reset_after: where the reset gate applies (see above).
 
     Returns:
-        ``h'`` with h's shape and x's dtype.
+        ``h'`` with h's shape and x's dtype.  float16/bfloat16 ``x`` may come
+        with float32 weights (computed in float32).
 
-    ``vjp`` fields: ``(x, h, w_ih, w_hh, b_ih, b_hh)``.  Backends: reference;
-    see ``pnn.capabilities()`` for kernels.
+    Raises:
+        ValueError: ``x`` neither 1-D nor 2-D, states or weights whose shapes do
+            not fit (the message gives the expected shape), arrays on different
+            devices.
+        TypeError: non-arrays, arrays of different libraries, a non-floating
+            ``x``, states not in ``x``'s dtype, weight dtype mixes other than
+            float16/bfloat16 ``x`` with float32 weights, a non-bool ``reset_after``.
+
+    Gradients:
+        ``vjp`` fields: ``(x, h, w_ih, w_hh, b_ih, b_hh)``; the pullback takes dh'. dh
+        collects z ⊙ dh' and the paths through the three gates; the weight gradients are
+        the gate pre-activation gradients times x (for w_ih) or h (``r ⊙ h`` for the n
+        rows of w_hh with ``reset_after=False``), the bias gradients their sums over the
+        batch.
+
+    Backends:
+        ``reference`` (the array-API implementation: every array library, device and
+        floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
+        zero-copy, float32 and float64); GPU kernels (``cupy``: CUDA C compiled through
+        CuPy's ``RawModule``; ``numba_cuda``) for CuPy arrays and CUDA torch tensors,
+        where ``pnn.capabilities()`` lists them. ``pnn.explain`` reports which one a
+        call runs and why the others were passed over.
     """
     return _GRU_CELL(x, h, w_ih, w_hh, b_ih, b_hh, reset_after=reset_after)
 
@@ -448,26 +517,6 @@ _RNN = OpSpec("rnn", _prepare_rnn, ("x", "params", "h0"))
 _LSTM = OpSpec("lstm", _prepare_lstm, ("x", "params", "h0", "c0"))
 _GRU = OpSpec("gru", _prepare_gru, ("x", "params", "h0"))
 
-_SEQUENCE_DOC = """
-    Args:
-        x: ``(T, N, I)``, or ``(N, T, I)`` with ``batch_first=True``.
-        params: a list with one ``(w_ih, w_hh, b_ih, b_hh)`` tuple per layer and
-            direction, in PyTorch's order (layer 0 forward, layer 0 reverse,
-            layer 1 forward, …): ``w_ih`` ``(G*H, I)`` for layer 0 and
-            ``(G*H, D*H)`` above it, ``w_hh`` ``(G*H, H)``, biases ``(G*H,)`` or
-            ``None``.  The number of layers is ``len(params) / D``.
-        h0{c0}: ``(L*D, N, H)`` initial states in x's dtype, or ``None`` for zeros.
-        batch_first: x and outputs are ``(N, T, ·)``; states stay ``(L*D, N, H)``.
-        bidirectional: D = 2, a reverse direction per layer whose outputs are
-            concatenated after the forward ones.
-        lengths: ``(N,)`` ints in [1, T] (a sequence or an integer array of any
-            library, e.g. a CPU tensor), the sequences' lengths as with
-            ``pack_padded_sequence(enforce_sorted=False)``: outputs past a
-            sequence's end are zero, its final state is the one at its last step,
-            and the reverse direction starts at its last step.
-"""
-
-
 @public_op(_RNN)
 def rnn(
     x: Any,
@@ -481,19 +530,63 @@ def rnn(
 ) -> tuple[Any, Any]:
     """A stacked (bidirectional) Elman RNN over whole sequences, like ``torch.nn.RNN``.
 
-    Each layer and direction runs h_t = act(x_t·w_ihᵀ + b_ih + h_{t−1}·w_hhᵀ + b_hh)
-    (G = 1, ``activation`` ``"tanh"`` or ``"relu"``); the input projection of
-    all time steps is one matrix product.
-    {args}
+    Each layer and direction runs, over t = 1 … T (backwards for the reverse
+    direction):
+
+        h_t = act(x_t·w_ihᵀ + b_ih + h_{t−1}·w_hhᵀ + b_hh)
+
+    (G = 1 in the shapes below); layer l > 0 takes layer l − 1's outputs as its
+    x.  The input projection of all time steps is one matrix product.
+
+    Args:
+        x: ``(T, N, I)``, or ``(N, T, I)`` with ``batch_first=True``.
+        params: a list with one ``(w_ih, w_hh, b_ih, b_hh)`` tuple per layer and
+            direction, in PyTorch's order (layer 0 forward, layer 0 reverse,
+            layer 1 forward, …): ``w_ih`` ``(G*H, I)`` for layer 0 and
+            ``(G*H, D*H)`` above it, ``w_hh`` ``(G*H, H)``, biases ``(G*H,)`` or
+            ``None``.  The number of layers L is ``len(params) / D``.
+        h0: ``(L*D, N, H)`` initial hidden states in x's dtype, or ``None`` for zeros.
+        activation: ``"tanh"`` (default, ``nonlinearity="tanh"``) or ``"relu"``,
+            for every layer.
+        batch_first: x and outputs are ``(N, T, ·)``; states stay ``(L*D, N, H)``.
+        bidirectional: D = 2, a reverse direction per layer whose outputs are
+            concatenated after the forward ones (else D = 1).
+        lengths: ``(N,)`` ints in [1, T] (a sequence or an integer array of any
+            library, e.g. a CPU tensor), the sequences' lengths as with
+            ``pack_padded_sequence(enforce_sorted=False)``: outputs past a
+            sequence's end are zero, its final state is the one at its last step,
+            and the reverse direction starts at its last step.  ``None``: every
+            sequence has length T.
+
     Returns:
         ``(outputs, h_n)``: outputs ``(T, N, D*H)`` (``(N, T, D*H)`` batch
-        first) from the last layer, h_n ``(L*D, N, H)``, both in x's dtype.
+        first), the last layer's h_t; h_n ``(L*D, N, H)``, every layer's and
+        direction's final state; both in x's dtype.
 
-    ``vjp`` fields: ``(x, params, h0)`` — the ``params`` gradient is a list of
-    4-tuples like ``params`` (``None`` for ``None`` biases); the pullback takes
-    ``(d_outputs, d_h_n)``, either may be ``None``.  ``pullback(ct, out=...)``
-    takes ``params`` buffers as a list of 4-tuples.  Backends: reference; see
-    ``pnn.capabilities()`` for kernels.
+    Raises:
+        ValueError: ``x`` not 3-D, an odd number of ``params`` entries with
+            ``bidirectional``, weights or states whose shapes do not fit (the
+            message names the entry, e.g. ``params[2][0] (w_ih_l1)``), lengths
+            out of [1, T] or not one per sequence, arrays on different
+            devices, an activation other than tanh or relu.
+        TypeError: ``params`` not a non-empty list of 4-tuples, non-arrays,
+            arrays of different libraries, a non-floating ``x``, states not in
+            ``x``'s dtype, weight dtype mixes other than float16/bfloat16 ``x``
+            with float32 weights, non-integer ``lengths``, non-bool flags.
+
+    Gradients:
+        ``vjp`` fields: ``(x, params, h0)`` — the ``params`` gradient is a list of
+        4-tuples like ``params`` (``None`` for ``None`` biases); the pullback takes
+        ``(d_outputs, d_h_n)``, either may be ``None``.  Back-propagation through time;
+        ``pullback(ct, out=...)`` takes ``params`` buffers as a list of 4-tuples.
+
+    Backends:
+        ``reference`` (the array-API implementation: every array library, device and
+        floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
+        zero-copy, float32 and float64); GPU kernels (``cupy``: CUDA C compiled through
+        CuPy's ``RawModule``; ``numba_cuda``) for CuPy arrays and CUDA torch tensors,
+        where ``pnn.capabilities()`` lists them. ``pnn.explain`` reports which one a
+        call runs and why the others were passed over.
     """
     return _RNN(x, params, h0, activation=activation, batch_first=batch_first,
                 bidirectional=bidirectional, lengths=lengths)
@@ -512,17 +605,61 @@ def lstm(
 ) -> tuple[Any, tuple[Any, Any]]:
     """A stacked (bidirectional) LSTM over whole sequences, like ``torch.nn.LSTM``.
 
-    Each layer and direction runs :func:`lstm_cell` over time (G = 4, gates
-    i, f, g, o); the input projection of all time steps is one matrix product.
-    {args}
+    Each layer and direction runs :func:`lstm_cell` over t = 1 … T (backwards
+    for the reverse direction), ``(h_t, c_t) = lstm_cell(x_t, h_{t−1}, c_{t−1},
+    w_ih, w_hh, b_ih, b_hh)`` (G = 4, gates i, f, g, o in the shapes below);
+    layer l > 0 takes layer l − 1's outputs as its x.  The input projection of
+    all time steps is one matrix product.
+
+    Args:
+        x: ``(T, N, I)``, or ``(N, T, I)`` with ``batch_first=True``.
+        params: a list with one ``(w_ih, w_hh, b_ih, b_hh)`` tuple per layer and
+            direction, in PyTorch's order (layer 0 forward, layer 0 reverse,
+            layer 1 forward, …): ``w_ih`` ``(G*H, I)`` for layer 0 and
+            ``(G*H, D*H)`` above it, ``w_hh`` ``(G*H, H)``, biases ``(G*H,)`` or
+            ``None``.  The number of layers L is ``len(params) / D``.
+        h0: ``(L*D, N, H)`` initial hidden states in x's dtype, or ``None`` for zeros.
+        c0: ``(L*D, N, H)`` initial cell states in x's dtype, or ``None`` for zeros.
+        batch_first: x and outputs are ``(N, T, ·)``; states stay ``(L*D, N, H)``.
+        bidirectional: D = 2, a reverse direction per layer whose outputs are
+            concatenated after the forward ones (else D = 1).
+        lengths: ``(N,)`` ints in [1, T] (a sequence or an integer array of any
+            library, e.g. a CPU tensor), the sequences' lengths as with
+            ``pack_padded_sequence(enforce_sorted=False)``: outputs past a
+            sequence's end are zero, its final state is the one at its last step,
+            and the reverse direction starts at its last step.  ``None``: every
+            sequence has length T.
+
     Returns:
         ``(outputs, (h_n, c_n))``: outputs ``(T, N, D*H)`` (``(N, T, D*H)``
-        batch first) from the last layer; h_n, c_n ``(L*D, N, H)``; x's dtype.
+        batch first), the last layer's h_t; h_n and c_n ``(L*D, N, H)``, every
+        layer's and direction's final states; all in x's dtype.
 
-    ``vjp`` fields: ``(x, params, h0, c0)`` — the ``params`` gradient is a list
-    of 4-tuples like ``params``; the pullback takes ``(d_outputs, (d_h_n,
-    d_c_n))`` mirroring the result, any entry (or the state pair) ``None``.
-    Backends: reference; see ``pnn.capabilities()`` for kernels.
+    Raises:
+        ValueError: ``x`` not 3-D, an odd number of ``params`` entries with
+            ``bidirectional``, weights or states whose shapes do not fit (the
+            message names the entry, e.g. ``params[2][0] (w_ih_l1)``), lengths
+            out of [1, T] or not one per sequence, arrays on different
+            devices.
+        TypeError: ``params`` not a non-empty list of 4-tuples, non-arrays,
+            arrays of different libraries, a non-floating ``x``, states not in
+            ``x``'s dtype, weight dtype mixes other than float16/bfloat16 ``x``
+            with float32 weights, non-integer ``lengths``, non-bool flags.
+
+    Gradients:
+        ``vjp`` fields: ``(x, params, h0, c0)`` — the ``params`` gradient is a list of
+        4-tuples like ``params`` (``None`` for ``None`` biases); the pullback takes
+        ``(d_outputs, (d_h_n, d_c_n))`` mirroring the result, any entry (or the state
+        pair) ``None``.  Back-propagation through time; ``pullback(ct, out=...)`` takes
+        ``params`` buffers as a list of 4-tuples.
+
+    Backends:
+        ``reference`` (the array-API implementation: every array library, device and
+        floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
+        zero-copy, float32 and float64); GPU kernels (``cupy``: CUDA C compiled through
+        CuPy's ``RawModule``; ``numba_cuda``) for CuPy arrays and CUDA torch tensors,
+        where ``pnn.capabilities()`` lists them. ``pnn.explain`` reports which one a
+        call runs and why the others were passed over.
     """
     return _LSTM(x, params, h0, c0, batch_first=batch_first, bidirectional=bidirectional, lengths=lengths)
 
@@ -540,23 +677,63 @@ def gru(
 ) -> tuple[Any, Any]:
     """A stacked (bidirectional) GRU over whole sequences, like ``torch.nn.GRU``.
 
-    Each layer and direction runs :func:`gru_cell` over time (G = 3, gates
-    r, z, n; ``reset_after=True`` is PyTorch's form, ``False`` the original
-    one); the input projection of all time steps is one matrix product.
-    {args}
+    Each layer and direction runs :func:`gru_cell` over t = 1 … T (backwards for
+    the reverse direction), ``h_t = gru_cell(x_t, h_{t−1}, w_ih, w_hh, b_ih, b_hh,
+    reset_after=reset_after)`` (G = 3, gates r, z, n in the shapes below); layer
+    l > 0 takes layer l − 1's outputs as its x.  The input projection of all
+    time steps is one matrix product.
+
+    Args:
+        x: ``(T, N, I)``, or ``(N, T, I)`` with ``batch_first=True``.
+        params: a list with one ``(w_ih, w_hh, b_ih, b_hh)`` tuple per layer and
+            direction, in PyTorch's order (layer 0 forward, layer 0 reverse,
+            layer 1 forward, …): ``w_ih`` ``(G*H, I)`` for layer 0 and
+            ``(G*H, D*H)`` above it, ``w_hh`` ``(G*H, H)``, biases ``(G*H,)`` or
+            ``None``.  The number of layers L is ``len(params) / D``.
+        h0: ``(L*D, N, H)`` initial hidden states in x's dtype, or ``None`` for zeros.
+        reset_after: ``True`` (default): the reset gate multiplies h·w_hnᵀ + b_hn,
+            PyTorch's and cuDNN's form; ``False``: it multiplies h before the
+            product, the original GRU (see :func:`gru_cell`).
+        batch_first: x and outputs are ``(N, T, ·)``; states stay ``(L*D, N, H)``.
+        bidirectional: D = 2, a reverse direction per layer whose outputs are
+            concatenated after the forward ones (else D = 1).
+        lengths: ``(N,)`` ints in [1, T] (a sequence or an integer array of any
+            library, e.g. a CPU tensor), the sequences' lengths as with
+            ``pack_padded_sequence(enforce_sorted=False)``: outputs past a
+            sequence's end are zero, its final state is the one at its last step,
+            and the reverse direction starts at its last step.  ``None``: every
+            sequence has length T.
+
     Returns:
         ``(outputs, h_n)``: outputs ``(T, N, D*H)`` (``(N, T, D*H)`` batch
-        first) from the last layer, h_n ``(L*D, N, H)``, both in x's dtype.
+        first), the last layer's h_t; h_n ``(L*D, N, H)``, every layer's and
+        direction's final state; both in x's dtype.
 
-    ``vjp`` fields: ``(x, params, h0)`` — the ``params`` gradient is a list of
-    4-tuples like ``params``; the pullback takes ``(d_outputs, d_h_n)``.
-    Backends: reference; see ``pnn.capabilities()`` for kernels.
+    Raises:
+        ValueError: ``x`` not 3-D, an odd number of ``params`` entries with
+            ``bidirectional``, weights or states whose shapes do not fit (the
+            message names the entry, e.g. ``params[2][0] (w_ih_l1)``), lengths
+            out of [1, T] or not one per sequence, arrays on different
+            devices.
+        TypeError: ``params`` not a non-empty list of 4-tuples, non-arrays,
+            arrays of different libraries, a non-floating ``x``, states not in
+            ``x``'s dtype, weight dtype mixes other than float16/bfloat16 ``x``
+            with float32 weights, non-integer ``lengths``, non-bool flags.
+
+    Gradients:
+        ``vjp`` fields: ``(x, params, h0)`` — the ``params`` gradient is a list of
+        4-tuples like ``params`` (``None`` for ``None`` biases); the pullback takes
+        ``(d_outputs, d_h_n)``, either may be ``None``.  Back-propagation through time;
+        ``pullback(ct, out=...)`` takes ``params`` buffers as a list of 4-tuples.
+
+    Backends:
+        ``reference`` (the array-API implementation: every array library, device and
+        floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
+        zero-copy, float32 and float64); GPU kernels (``cupy``: CUDA C compiled through
+        CuPy's ``RawModule``; ``numba_cuda``) for CuPy arrays and CUDA torch tensors,
+        where ``pnn.capabilities()`` lists them. ``pnn.explain`` reports which one a
+        call runs and why the others were passed over.
     """
     return _GRU(x, params, h0, reset_after=reset_after, batch_first=batch_first,
                 bidirectional=bidirectional, lengths=lengths)
 
-
-for _fn, _c0 in ((rnn, ""), (lstm, ", c0"), (gru, "")):
-    if _fn.__doc__:  # None under python -OO
-        _fn.__doc__ = _fn.__doc__.replace("{args}", _SEQUENCE_DOC.replace("{c0}", _c0))
-del _fn, _c0
