@@ -762,28 +762,29 @@ def select(call: Call, need_backward: bool = False, report: bool = True) -> Sele
            bool(call.params.get("mixed_precision")), need_backward)
     known = _choices.get(key)
     if known is not None:
-        impl, passed, fallback = known
-        if fallback and report:
-            _report_fallback(call, impl, list(passed))
-        return Selection(impl, requested, source, _copies_needed(impl, call), list(passed), fallback)
+        impl, passed, declined = known
+        if declined and report:
+            _report_fallback(call, impl, list(declined))
+        return Selection(impl, requested, source, _copies_needed(impl, call), list(passed), bool(declined))
     impls = implementations(call.op)
     if requested != "auto":
         selection = _select_forced(call, impls, requested, source, need_backward)
         if selection.impl.supports.check is None:
-            _choices[key] = (selection.impl, (), False)
+            _choices[key] = (selection.impl, (), ())
         return selection
     passed: list[tuple[str, str]] = []
-    fallback = False
+    declined: list[tuple[str, str]] = []  # kernels made for these arrays that refused the call
     for k, impl in enumerate(impls):
         reason, targeted = _candidate_reason(impl, call, need_backward)
         if reason is None:
-            if fallback and report:
-                _report_fallback(call, impl, passed)
+            if declined and report:
+                _report_fallback(call, impl, declined)
             if all(i.supports.check is None for i in impls[: k + 1]):
-                _choices[key] = (impl, tuple(passed), fallback)
-            return Selection(impl, requested, source, _copies_needed(impl, call), passed, fallback)
+                _choices[key] = (impl, tuple(passed), tuple(declined))
+            return Selection(impl, requested, source, _copies_needed(impl, call), passed, bool(declined))
         passed.append((impl.backend, reason))
-        fallback = fallback or targeted
+        if targeted:
+            declined.append((impl.backend, reason))
     raise BackendUnavailableError(  # pragma: no cover - the reference accepts every call
         f"no implementation of {call.op} accepts {call!r}"
     )
@@ -810,11 +811,12 @@ def _select_forced(
     return Selection(impl, requested, source, _copies_needed(impl, call), [], False)
 
 
-def _report_fallback(call: Call, impl: Implementation, passed: list[tuple[str, str]]) -> None:
+def _report_fallback(call: Call, impl: Implementation, declined: list[tuple[str, str]]) -> None:
+    """Warn or raise (``set_fallback``) naming the kernels for these arrays that declined the call."""
     mode = config.get_fallback()
     if mode == "allow":
         return
-    why = "; ".join(f"{backend} {reason}" for backend, reason in passed)
+    why = "; ".join(f"{backend} {reason}" for backend, reason in declined)
     message = f"{call.op}: falling back to the {impl.backend} implementation because {why}"
     if mode == "error":
         raise BackendUnavailableError(message + " (set_fallback('error') is in force)")
@@ -1028,7 +1030,10 @@ def explain_call(call: Call) -> Explanation:
     for impl in implementations(call.op):
         if impl.backend not in seen:
             reason, _ = _candidate_reason(impl, call, False)
-            passed.append((impl.backend, reason or f"lower priority than {sel.impl.backend}"))
+            if reason is None:
+                reason = (f"not requested ({requested} forced by {source})" if requested != "auto"
+                          else f"lower priority than {sel.impl.backend}")
+            passed.append((impl.backend, reason))
     return Explanation(call.op, sel.impl.backend, requested, source, sel.copies, passed, sel.fallback, call)
 
 

@@ -140,6 +140,33 @@ def test_remembered_choices_follow_registrations_predicates_and_fallback_mode():
                 pnn.layer_norm(_x((3, 4)).astype(np.float16))
 
 
+def test_fallback_message_names_only_kernels_made_for_these_arrays():
+    """A GPU kernel never targeted NumPy arrays: it did not decline the call, so it is not named."""
+    gpu = pnn.Support(families=("cupy",), devices=("cuda",))
+    pnn.register_kernel("layer_norm", "gpu_only", forward=lambda call: ((call.x,), None), supports=gpu)
+    fussy = pnn.Support(families=("numpy",), check=lambda call: "declines every call")
+    pnn.register_kernel("layer_norm", "fussy", forward=lambda call: ((call.x,), None), supports=fussy)
+    try:
+        pnn.set_fallback("warn")
+        with pytest.warns(pnn.FallbackWarning) as caught:
+            pnn.layer_norm(_x((3, 4)))
+        message = str(caught[0].message)
+        assert "fussy declines every call" in message and "gpu_only" not in message
+    finally:
+        pnn.unregister_kernel("layer_norm", "gpu_only")
+        pnn.unregister_kernel("layer_norm", "fussy")
+
+
+def test_explain_under_a_forced_backend_says_the_others_were_not_requested():
+    with pnn.use_backend("reference"):
+        report = pnn.explain(pnn.layer_norm, _x())
+    assert report.backend == "reference"
+    reasons = dict(report.passed_over)
+    if pnn.available_backends()["numba"]:
+        assert reasons["numba"].startswith("not requested (reference forced by")
+    assert not any("lower priority" in r for r in reasons.values())
+
+
 def test_register_kernel_rejects_bad_arguments():
     with pytest.raises(ValueError, match="unknown op"):
         pnn.register_kernel("softmax9", "x", forward=lambda c: c)
