@@ -216,6 +216,225 @@ for _name, (_shape, _axis, _dt, _bf) in _LSM.items():
     )
 
 
+# --------------------------------------------------------------------------- generic op check
+
+
+def _op_check(op, module, args, kwargs, settings, dtype="float64", bf16=False, param_dtype=None, tol=None,
+              prepare=None):
+    """Forward and every floating gradient of ``pnn.<op>(*args, **kwargs)`` through
+    ``kernels_gpu.numba_cuda.<module>`` against ``portable_nn.reference.<module>``.
+
+    Floating arrays take ``dtype`` (bfloat16 when ``bf16``: rounded through float32), parameters
+    (every floating array after the first) ``param_dtype`` when given; integer arrays stay as they
+    are.  The oracle is the reference in float64 on the same rounded values.  ``prepare(x)`` may
+    edit the rounded first array (e.g. plant NaN) before the call.
+    """
+    import importlib
+
+    import portable_nn as pnn
+    from kernels_gpu.numba_cuda import _runtime as rt
+
+    mine = importlib.import_module(f"kernels_gpu.numba_cuda.{module}")
+    ref = importlib.import_module(f"portable_nn.reference.{module}")
+    fwd_name = "pool_forward" if module == "pool" else f"{op}_forward"
+    bwd_name = "pool_backward" if module == "pool" else f"{op}_backward"
+    rng = _rng(7)
+    data_dtype = "float32" if bf16 else dtype
+    pd = param_dtype or data_dtype
+
+    def conv(i, a):
+        if isinstance(a, np.ndarray) and a.dtype.kind == "f":
+            return a.astype(data_dtype if i == 0 or param_dtype is None else pd)
+        return a
+
+    args = [conv(i, a) for i, a in enumerate(args)]
+    kwargs = {k: conv(1, v) for k, v in kwargs.items()}
+    if prepare is not None:
+        prepare(args[0])
+    kcall = pnn.explain(getattr(pnn, op), *args, **kwargs).call.replace(save=True)
+    if bf16:
+        import ml_dtypes
+
+        arrays = {k: (v.astype(ml_dtypes.bfloat16) if isinstance(v, np.ndarray) and v.dtype == np.float32
+                      and (param_dtype is None or v is args[0]) else v) for k, v in kcall.arrays.items()}
+        kcall = kcall.replace(arrays=arrays, dtype="bfloat16", save=True)
+    floats = {k for k, v in kcall.arrays.items() if v is not None and np.asarray(v).dtype.kind in "fV"}
+    call = kcall.replace(arrays={k: (as_f64(v) if k in floats else v) for k, v in kcall.arrays.items()},
+                         dtype="float64", params={**kcall.params, "mixed_precision": False}, save=True)
+    needs = frozenset(k for k in floats if not (op == "cross_entropy" and k == "weight"))
+    with rt.use_settings(**settings):
+        outs, res = getattr(mine, fwd_name)(kcall)
+        dys = tuple(rng.standard_normal(np.shape(o)).astype(o.dtype) for o in outs)
+        grads = getattr(mine, bwd_name)(res, dys, needs, {})
+    outs_r, res_r = getattr(ref, f"{op}_forward")(call)
+    grads_r = getattr(ref, f"{op}_backward")(res_r, tuple(as_f64(d) for d in dys), needs, {})
+    errors = {}
+    for i, (o, e) in enumerate(zip(outs, outs_r)):
+        assert o.dtype == kcall.arrays[next(iter(kcall.arrays))].dtype, (o.dtype,)
+        errors[f"y{i}"] = rel(as_f64(o), as_f64(e))
+    for k in needs:
+        assert grads[k].dtype == kcall.arrays[k].dtype, (k, grads[k].dtype)
+        errors["d" + k] = rel(as_f64(grads[k]), as_f64(grads_r[k]))
+    return {"errors": errors, "tol": tol or _TOL["bfloat16" if bf16 else dtype]}
+
+
+# --------------------------------------------------------------------------- pooling
+
+
+def _nan_at_start(x):
+    x.reshape(-1)[1] = np.nan
+
+
+_POOL = {
+    # name: (op, x shape, kwargs, dtype, bf16, prepare)
+    "max-1d": ("max_pool", (2, 3, 9), {"window": 3, "stride": 2, "padding": 1}, "float64", False, None),
+    "max-2d-dilation-ceil": ("max_pool", (2, 2, 7, 6), {"window": (3, 2), "stride": (2, 1), "padding": (1, 1),
+                                                         "dilation": (2, 1), "ceil_mode": True}, "float64", False,
+                             None),
+    "max-3d": ("max_pool", (1, 2, 4, 5, 4), {"window": 2, "stride": (1, 2, 2), "padding": (1, 0, 1)}, "float32",
+               False, None),
+    "max-2d-nhwc": ("max_pool", (2, 5, 4, 3), {"window": 2, "channel_axis": -1, "ceil_mode": True}, "float64",
+                    False, None),
+    "max-unbatched-nan": ("max_pool", (2, 6, 5), {"window": (2, 3), "padding": (1, 1)}, "float64", False,
+                          _nan_at_start),
+    "max-float16-ties": ("max_pool", (2, 2, 6, 6), {"window": 3, "stride": 1}, "float16", False,
+                         lambda x: np.round(x, 0, out=x)),
+    "avg-1d-nopad-count": ("avg_pool", (2, 3, 8), {"window": 3, "stride": 2, "padding": 1,
+                                                    "count_include_pad": False}, "float64", False, None),
+    "avg-2d-ceil": ("avg_pool", (2, 2, 7, 5), {"window": 3, "stride": 2, "padding": 1, "ceil_mode": True},
+                    "float64", False, None),
+    "avg-3d-nhwc": ("avg_pool", (2, 3, 4, 5, 2), {"window": (2, 3, 2), "padding": (1, 1, 0), "channel_axis": -1,
+                                                   "count_include_pad": False, "ceil_mode": True}, "float32", False,
+                    None),
+    "avg-unbatched-nlc": ("avg_pool", (7, 3), {"window": (3,), "stride": 1, "channel_axis": -1}, "float64", False,
+                          None),
+    "avg-bfloat16": ("avg_pool", (2, 2, 6, 4), {"window": 2}, "float32", True, None),
+    "max-empty-batch": ("max_pool", (0, 2, 5), {"window": 2}, "float64", False, None),
+}
+for _name, (_op, _shape, _kw, _dt, _bf, _prep) in _POOL.items():
+    case(f"pool/{_name}/small")(
+        lambda op=_op, shape=_shape, kw=_kw, dt=_dt, bf=_bf, prep=_prep: _op_check(
+            op, "pool", (2.0 * _rng(5).standard_normal(shape),), kw, SMALL, dt, bf, prepare=prep)
+    )
+
+
+# --------------------------------------------------------------------------- cross_entropy
+
+
+def _labels(shape, classes, ignore=None, every=3, dtype=np.int64):
+    t = _rng(11).integers(0, classes, shape)
+    if ignore is not None:
+        t.reshape(-1)[::every] = ignore
+    return t.astype(dtype)
+
+
+def _probs(shape, axis):
+    e = np.exp(_rng(12).standard_normal(shape))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def _ce_case(shape, axis, target, kw, dtype="float64", bf16=False, param_dtype=None):
+    logits = 2.0 * _rng(13).standard_normal(shape)
+    # 4-thread blocks: each position runs four block reductions, slow in the simulator.
+    return _op_check("cross_entropy", "loss", (logits, target), {"axis": axis, **kw}, {**SMALL, "block": 4}, dtype,
+                     bf16, param_dtype)
+
+
+_CE = {
+    "int-2d-mean-weight-ignore-smooth": ((6, 5), 1, lambda: _labels((6,), 5, -100),
+                                         {"weight": _rng(1).random(5) + 0.5, "label_smoothing": 0.1}, "float64"),
+    "int-3d-sum": ((2, 4, 3), 1, lambda: _labels((2, 3), 4, dtype=np.int32), {"reduction": "sum"}, "float64"),
+    "int-nlc-none-ignore-class": ((2, 3, 6), -1, lambda: _labels((2, 3), 6, 2, every=2),
+                                  {"ignore_index": 2, "reduction": "none", "weight": _rng(2).random(6),
+                                   "label_smoothing": 0.3}, "float64"),
+    "int-many-positions-mean": ((4, 3, 3), 1, lambda: _labels((4, 3), 3, -1, every=5),
+                                {"ignore_index": -1, "weight": _rng(3).random(3) + 0.1}, "float32"),
+    "int-all-ignored-mean-nan": ((4, 3), 1, lambda: _labels((4,), 3, -100, every=1), {}, "float64"),
+    "int-unbatched": ((7,), 0, lambda: np.array(4, np.int64), {"label_smoothing": 0.2}, "float64"),
+    "int-empty-mean": ((0, 4), 1, lambda: np.zeros((0,), np.int64), {}, "float64"),
+    "prob-2d-mean-weight-smooth": ((6, 4), 1, lambda: _probs((6, 4), 1),
+                                   {"weight": _rng(4).random(4) + 0.5, "label_smoothing": 0.2}, "float64"),
+    "prob-3d-axis2-none": ((2, 3, 5), 2, lambda: _probs((2, 3, 5), 2), {"reduction": "none"}, "float64"),
+    "prob-sum-float32": ((3, 3, 2), 1, lambda: _probs((3, 3, 2), 1), {"reduction": "sum"}, "float32"),
+}
+for _name, (_shape, _axis, _target, _kw, _dt) in _CE.items():
+    case(f"loss/cross_entropy-{_name}/small")(
+        lambda shape=_shape, axis=_axis, target=_target, kw=_kw, dt=_dt: _ce_case(shape, axis, target(), kw, dt)
+    )
+case("loss/cross_entropy-float16-float32-weight/small")(
+    lambda: _ce_case((6, 5), 1, _labels((6,), 5, -100), {"weight": _rng(5).random(5) + 0.5, "label_smoothing": 0.1},
+                     "float16", param_dtype="float32"))
+case("loss/cross_entropy-bfloat16-prob/small")(
+    lambda: _ce_case((4, 6), 1, _probs((4, 6), 1), {"reduction": "sum"}, "float32", bf16=True))
+
+
+# --------------------------------------------------------------------------- dense
+
+
+def _dense_case(x_shape, n_out, bias, activation, dtype="float64", bf16=False, param_dtype=None, settings=None):
+    r = _rng(21)
+    n_in = x_shape[-1]
+    args = [r.standard_normal(x_shape), r.standard_normal((n_out, n_in)) / np.sqrt(n_in)]
+    if bias:
+        args.append(r.standard_normal(n_out))
+    return _op_check("dense", "dense", tuple(args), {"activation": activation}, settings or SMALL, dtype, bf16,
+                     param_dtype)
+
+
+_DENSE = {
+    "2d-bias-gelu": ((7, 5), 4, True, "gelu", "float64"),
+    "3d-relu": ((2, 3, 4), 6, True, "relu", "float64"),
+    "1d-nobias-identity": ((5,), 3, False, "identity", "float64"),
+    "tanh-float32": ((9, 3), 5, True, "tanh", "float32"),
+    "leaky-negative-slope": ((6, 4), 3, True, ("leaky_relu", -0.5), "float64"),
+    "sigmoid-silu-rows": ((11, 2), 3, True, "silu", "float64"),
+    "empty-rows": ((0, 3), 2, True, "sigmoid", "float64"),
+}
+for _name, (_xs, _no, _b, _act, _dt) in _DENSE.items():
+    case(f"dense/{_name}/small")(
+        lambda xs=_xs, no=_no, b=_b, a=_act, dt=_dt: _dense_case(xs, no, b, a, dt)
+    )
+case("dense/float16-float32-params-gelu_tanh/small")(
+    lambda: _dense_case((5, 8), 3, True, "gelu_tanh", "float16", param_dtype="float32"))
+case("dense/bfloat16-relu/small")(lambda: _dense_case((4, 6), 3, True, "relu", "float32", bf16=True))
+case("dense/sigmoid/rows")(lambda: _dense_case((6, 3), 4, True, "sigmoid", "float64", settings=ROWS))
+
+
+# --------------------------------------------------------------------------- conv
+
+
+def _conv_case(x_shape, w_shape, bias, kw, dtype="float64", bf16=False, param_dtype=None):
+    r = _rng(31)
+    fan_in = int(np.prod(w_shape[1:]))
+    args = [r.standard_normal(x_shape), r.standard_normal(w_shape) / np.sqrt(fan_in)]
+    if bias:
+        args.append(r.standard_normal(w_shape[0]))
+    return _op_check("conv", "conv", tuple(args), kw, SMALL, dtype, bf16, param_dtype)
+
+
+_CONV = {
+    "1d-stride-pad": ((2, 3, 9), (4, 3, 3), True, {"stride": 2, "padding": 1, "activation": "relu"}),
+    "2d-groups-dilation": ((1, 4, 6, 5), (6, 2, 2, 3), True, {"groups": 2, "dilation": (2, 1), "padding": (1, 2),
+                                                              "activation": "gelu"}),
+    "2d-nhwc-groups": ((2, 5, 4, 4), (4, 2, 3, 2), True, {"groups": 2, "channel_axis": -1, "stride": (2, 1),
+                                                          "padding": ((1, 0), (0, 1)), "activation": "tanh"}),
+    "3d-same": ((1, 2, 3, 4, 3), (3, 2, 2, 3, 2), False, {"padding": "same"}),
+    "depthwise-unbatched": ((3, 7), (3, 1, 3), True, {"groups": 3, "padding": 2, "dilation": 2,
+                                                      "activation": "silu"}),
+    "3d-nlc-unbatched-leaky": ((3, 4, 3, 2), (2, 2, 2, 2, 1), True, {"channel_axis": -1, "stride": (1, 2, 1),
+                                                                     "activation": ("leaky_relu", 0.1)}),
+}
+for _name, (_xs, _ws, _b, _kw) in _CONV.items():
+    case(f"conv/{_name}/small")(lambda xs=_xs, ws=_ws, b=_b, kw=_kw: _conv_case(xs, ws, b, kw))
+case("conv/float32-1d-sigmoid/small")(
+    lambda: _conv_case((2, 2, 8), (3, 2, 3), True, {"padding": "valid", "activation": "sigmoid"}, "float32"))
+case("conv/float16-float32-params/small")(
+    lambda: _conv_case((1, 2, 5, 5), (2, 2, 3, 3), True, {"padding": 1, "activation": "gelu_tanh"}, "float16",
+                       param_dtype="float32"))
+case("conv/bfloat16-nhwc/small")(
+    lambda: _conv_case((1, 4, 4, 2), (2, 2, 2, 2), True, {"channel_axis": -1}, "float32", bf16=True))
+
+
 # --------------------------------------------------------------------------- entry point
 
 #: Every case id (importable without running anything).

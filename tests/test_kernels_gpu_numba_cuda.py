@@ -35,10 +35,10 @@ needs_numba_cuda = pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is 
 
 NORMS = ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm")
 #: Ops the backend declares (the others fall back under auto, raise when forced).
-DECLARED = (*NORMS, "log_softmax")
+POOLS = ("max_pool", "avg_pool")
+DECLARED = (*NORMS, "log_softmax", *POOLS, "cross_entropy", "dense", "conv")
 #: Ops not implemented on this backend yet: forcing it must raise, never run something else.
-UNDECLARED = ("moments", "rnn_cell", "lstm_cell", "gru_cell", "rnn", "lstm", "gru", "conv", "dense", "max_pool",
-              "avg_pool", "cross_entropy")
+UNDECLARED = ("moments",)
 
 
 # --------------------------------------------------------------------------- declarations
@@ -51,8 +51,10 @@ def test_declared_support(op):
     assert s.families == ("cupy", "torch") and s.devices == ("cuda",) and s.native == "cupy"
     assert impl.backward is not None and s.contiguous
     assert set(s.dtypes) == {"float16", "bfloat16", "float32", "float64"}
-    if op in NORMS:
+    if op in (*NORMS, "cross_entropy", "dense", "conv"):
         assert s.mixed_precision
+    if op in (*POOLS, "conv"):
+        assert set(s.layouts) == {"channels_first", "channels_last"}
 
 
 @pytest.mark.parametrize("op", UNDECLARED)
@@ -87,7 +89,7 @@ def test_without_a_gpu_forcing_raises_and_auto_falls_back():
 def _kernel_specs():
     if not HAS_NUMBA_CUDA:
         return []
-    from kernels_gpu.numba_cuda import _runtime, loss, norm  # noqa: F401  (modules declare their kernels)
+    from kernels_gpu.numba_cuda import _runtime, conv, dense, loss, norm, pool  # noqa: F401  (modules declare their kernels)
 
     return list(_runtime.KERNELS)
 
@@ -140,6 +142,10 @@ def test_every_kernel_is_declared_with_signatures():
         assert spec.signatures, spec.name
     assert any(n.endswith("norm._row_forward") for n in names)
     assert any(n.endswith("loss._lsm_backward") for n in names)
+    assert any(n.endswith("pool._max_backward") for n in names)
+    assert any(n.endswith("loss._ce_backward") for n in names)
+    assert any(n.endswith("dense._activation_grad") for n in names)
+    assert any(n.endswith("conv._col2im") for n in names)
 
 
 # --------------------------------------------------------------------------- simulator
@@ -270,3 +276,134 @@ def test_gpu_log_softmax_matches_reference(shape, axis, dtype):
     tol = {"float64": 1e-12, "float32": 1e-5, "float16": 2e-3}[dtype]
     assert sim.rel(cupy.asnumpy(y).astype(np.float64), y_ref) <= tol
     assert sim.rel(cupy.asnumpy(dx).astype(np.float64), dx_ref) <= tol
+
+
+def _gpu_vjp_check(fn, gargs, hargs, kw, tol, wrt=None):
+    """Forward and gradients of ``fn`` forced onto numba_cuda (CuPy) against the float64 reference."""
+    import cupy
+
+    rng = np.random.default_rng(1)
+    vjp_kw = {} if wrt is None else {"wrt": wrt}
+    with pnn.use_backend("numba_cuda"):
+        assert pnn.explain(fn, *gargs, **kw).backend == "numba_cuda"
+        y, pullback = pnn.vjp(fn, *gargs, **kw, **vjp_kw)
+        dy = rng.standard_normal(tuple(y.shape))
+        grads = pullback(cupy.asarray(dy.astype(y.dtype)))
+    with pnn.use_backend("reference"):
+        y_ref, pull_ref = pnn.vjp(fn, *hargs, **kw, **vjp_kw)
+        g_ref = pull_ref(np.asarray(dy.astype(y.dtype), np.float64))
+    assert sim.rel(cupy.asnumpy(y).astype(np.float64), y_ref) <= tol
+    for name in g_ref._fields:
+        e = getattr(g_ref, name)
+        if e is not None:
+            assert sim.rel(cupy.asnumpy(getattr(grads, name)).astype(np.float64), e) <= 10 * tol, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize(("op", "shape", "kw"), [
+    ("max_pool", (2, 3, 11, 9), {"window": 3, "stride": 2, "padding": 1, "dilation": (2, 1), "ceil_mode": True}),
+    ("max_pool", (2, 6, 7, 4), {"window": (2, 2), "channel_axis": -1}),
+    ("max_pool", (3, 17), {"window": (4,), "stride": 3, "padding": 2}),
+    ("avg_pool", (2, 3, 5, 6, 7), {"window": 3, "stride": 2, "padding": 1, "count_include_pad": False,
+                                   "ceil_mode": True}),
+    ("avg_pool", (2, 9, 8, 5), {"window": 3, "padding": 1, "channel_axis": -1}),
+])
+def test_gpu_pools_match_reference(op, shape, kw, dtype):
+    import cupy
+
+    x = np.random.default_rng(0).standard_normal(shape).astype(dtype)
+    tol = {"float64": 1e-12, "float32": 1e-5, "float16": 2e-3}[dtype]
+    _gpu_vjp_check(getattr(pnn, op), (cupy.asarray(x),), (x.astype(np.float64),), kw, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize(("shape", "axis", "kw", "probabilities"), [
+    ((37, 1000), 1, {"label_smoothing": 0.1, "ignore_index": 3}, False),
+    ((4, 7, 5, 3), 1, {"reduction": "sum", "weighted": True}, False),
+    ((3, 5, 11), -1, {"reduction": "none", "weighted": True, "label_smoothing": 0.2}, False),
+    ((3000, 3), 1, {"weighted": True}, False),
+    ((6, 9, 4), 1, {"label_smoothing": 0.3, "weighted": True}, True),
+    ((5, 2, 300), -1, {"reduction": "none"}, True),
+])
+def test_gpu_cross_entropy_matches_reference(shape, axis, kw, probabilities, dtype):
+    import cupy
+
+    rng = np.random.default_rng(0)
+    kw = dict(kw)
+    classes = shape[axis]
+    logits = (2.0 * rng.standard_normal(shape)).astype(dtype)
+    if probabilities:
+        e = np.exp(rng.standard_normal(shape))
+        target = (e / e.sum(axis=axis, keepdims=True)).astype(dtype)
+        gt, ht = cupy.asarray(target), target.astype(np.float64)
+    else:
+        pos_shape = tuple(s for i, s in enumerate(shape) if i != axis % len(shape))
+        target = rng.integers(0, classes, pos_shape)
+        target.reshape(-1)[::7] = kw.get("ignore_index", -100)
+        gt, ht = cupy.asarray(target), target
+    if kw.pop("weighted", False):
+        w = rng.random(classes) + 0.5
+        kw["weight"] = w.astype("float32" if dtype == "float16" else dtype)
+    hkw = {**kw, "axis": axis, **({"weight": kw["weight"].astype(np.float64)} if "weight" in kw else {})}
+    gkw = {**kw, "axis": axis, **({"weight": cupy.asarray(kw["weight"])} if "weight" in kw else {})}
+    tol = {"float64": 1e-10, "float32": 1e-5, "float16": 3e-3}[dtype]
+    wrt = ("logits", "target") if probabilities else ("logits",)
+    with pnn.use_backend("numba_cuda"):
+        assert pnn.explain(pnn.cross_entropy, cupy.asarray(logits), gt, **gkw).backend == "numba_cuda"
+        y, pullback = pnn.vjp(pnn.cross_entropy, cupy.asarray(logits), gt, wrt=wrt, **gkw)
+        dy = rng.standard_normal(tuple(y.shape))
+        grads = pullback(cupy.asarray(dy.astype(dtype)))
+    with pnn.use_backend("reference"):
+        y_ref, pull_ref = pnn.vjp(pnn.cross_entropy, logits.astype(np.float64), ht, wrt=wrt, **hkw)
+        g_ref = pull_ref(dy.astype(dtype).astype(np.float64))
+    assert sim.rel(cupy.asnumpy(y).astype(np.float64), y_ref) <= tol
+    for name in wrt:
+        assert sim.rel(cupy.asnumpy(getattr(grads, name)).astype(np.float64), getattr(g_ref, name)) <= 10 * tol, name
+
+
+def _gpu_params_check(fn, x, params, kw, dtype):
+    """``fn(x, *params, **kw)`` on CuPy (params float32 for float16 data) against the reference."""
+    import cupy
+
+    pdt = "float32" if dtype == "float16" else dtype
+    x = x.astype(dtype)
+    params = [p.astype(pdt) for p in params]
+    tol = {"float64": 1e-10, "float32": 1e-4, "float16": 5e-3}[dtype]
+    _gpu_vjp_check(fn, (cupy.asarray(x), *map(cupy.asarray, params)),
+                   (x.astype(np.float64), *(p.astype(np.float64) for p in params)), kw, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize(("x_shape", "n_out", "bias", "activation"), [
+    ((33, 70), 45, True, "gelu"),
+    ((2, 5, 16), 300, True, "relu"),
+    ((64,), 8, False, "identity"),
+    ((1000, 3), 7, True, "silu"),
+    ((9, 12), 5, True, ("leaky_relu", 0.2)),
+])
+def test_gpu_dense_matches_reference(x_shape, n_out, bias, activation, dtype):
+    rng = np.random.default_rng(0)
+    params = [rng.standard_normal((n_out, x_shape[-1])) / np.sqrt(x_shape[-1])]
+    if bias:
+        params.append(rng.standard_normal(n_out))
+    _gpu_params_check(pnn.dense, rng.standard_normal(x_shape), params, {"activation": activation}, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize(("x_shape", "w_shape", "bias", "kw"), [
+    ((2, 6, 17), (8, 3, 5), True, {"groups": 2, "stride": 2, "padding": 2, "activation": "relu"}),
+    ((2, 4, 13, 11), (6, 4, 3, 3), True, {"padding": "same", "dilation": 2, "activation": "gelu"}),
+    ((2, 9, 8, 8), (8, 2, 3, 3), False, {"groups": 4, "channel_axis": -1, "stride": (2, 1), "padding": 1}),
+    ((3, 6, 5, 4), (3, 1, 3, 2, 2), True, {"groups": 3, "padding": ((1, 0), 1, 0), "activation": "tanh"}),
+    ((16, 12, 12), (16, 1, 3, 3), True, {"groups": 16, "padding": 1, "activation": "silu"}),
+])
+def test_gpu_conv_matches_reference(x_shape, w_shape, bias, kw, dtype):
+    rng = np.random.default_rng(0)
+    params = [rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))]
+    if bias:
+        params.append(rng.standard_normal(w_shape[0]))
+    _gpu_params_check(pnn.conv, rng.standard_normal(x_shape), params, kw, dtype)

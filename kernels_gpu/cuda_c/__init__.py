@@ -127,3 +127,19 @@ for _op in ("rnn_cell", "lstm_cell", "gru_cell"):
         ),
         priority=CUPY_PRIORITY,
     )
+
+for _op in ("rnn", "lstm", "gru"):
+    register_builtin(
+        _op,
+        "cupy",
+        forward="kernels_gpu.cuda_c.rnn:sequence_forward",
+        backward="kernels_gpu.cuda_c.rnn:sequence_backward",
+        supports=Support(
+            dtypes=("float32", "float64"),
+            mixed_precision=False,
+            description="stacked, bidirectional, batch_first, lengths, both GRU forms; input projection of "
+            "all steps in one GEMM, per step one cuBLAS GEMM + one fused kernel; deterministic",
+            **GPU_SUPPORT,
+        ),
+        priority=CUPY_PRIORITY,
+    )

@@ -53,3 +53,99 @@ register_builtin(
     ),
     priority=NUMBA_CUDA_PRIORITY,
 )
+
+
+def _pool_check(call):
+    """Argmax positions are kept as int32 within a plane."""
+    positions = 1
+    for size in call.in_size:
+        positions *= size
+    return None if positions < 2**31 else "keeps int32 argmax positions: planes of 2**31 positions or more"
+
+
+for _op in ("max_pool", "avg_pool"):
+    register_builtin(
+        _op,
+        "numba_cuda",
+        forward=f"{_PKG}.pool:pool_forward",
+        backward=f"{_PKG}.pool:pool_backward",
+        supports=Support(
+            dtypes=("float16", "bfloat16", "float32", "float64"),
+            layouts=("channels_first", "channels_last"),
+            check=_pool_check,
+            description="1-3-D, batched or not, every stride/padding/dilation/ceil_mode; gather backward",
+            **GPU_SUPPORT,
+        ),
+        priority=NUMBA_CUDA_PRIORITY,
+    )
+
+
+def _loss_check(call):
+    """ignore_index travels as an int64."""
+    ignore = call.params.get("ignore_index", 0)
+    return None if -(2**63) <= ignore < 2**63 else f"takes an int64 ignore_index, not {ignore}"
+
+
+register_builtin(
+    "cross_entropy",
+    "numba_cuda",
+    forward=f"{_PKG}.loss:cross_entropy_forward",
+    backward=f"{_PKG}.loss:cross_entropy_backward",
+    supports=Support(
+        dtypes=("float16", "bfloat16", "float32", "float64"),
+        mixed_precision=True,
+        check=_loss_check,
+        description="any class axis; integer or probability targets, weights, ignore_index, smoothing; "
+                    "deterministic two-pass reductions",
+        **GPU_SUPPORT,
+    ),
+    priority=NUMBA_CUDA_PRIORITY,
+)
+
+register_builtin(
+    "dense",
+    "numba_cuda",
+    forward=f"{_PKG}.dense:dense_forward",
+    backward=f"{_PKG}.dense:dense_backward",
+    supports=Support(
+        dtypes=("float16", "bfloat16", "float32", "float64"),
+        mixed_precision=True,
+        description="GEMM through CuPy (float32 for half data) + fused bias/activation epilogue; "
+                    "deterministic bias gradient",
+        **GPU_SUPPORT,
+    ),
+    priority=NUMBA_CUDA_PRIORITY,
+)
+
+register_builtin(
+    "conv",
+    "numba_cuda",
+    forward=f"{_PKG}.conv:conv_forward",
+    backward=f"{_PKG}.conv:conv_backward",
+    supports=Support(
+        dtypes=("float16", "bfloat16", "float32", "float64"),
+        layouts=("channels_first", "channels_last"),
+        mixed_precision=True,
+        description="1-3-D, batched or not, every stride/padding/dilation/groups; im2col + CuPy GEMM + fused "
+                    "epilogue, gather col2im (deterministic)",
+        **GPU_SUPPORT,
+    ),
+    priority=NUMBA_CUDA_PRIORITY,
+)
+
+for _op, _kind in (("rnn_cell", "cell"), ("lstm_cell", "cell"), ("gru_cell", "cell"),
+                   ("rnn", "sequence"), ("lstm", "sequence"), ("gru", "sequence")):
+    register_builtin(
+        _op,
+        "numba_cuda",
+        forward=f"{_PKG}.rnn:{_kind}_forward",
+        backward=f"{_PKG}.rnn:{_kind}_backward",
+        supports=Support(
+            dtypes=("float32", "float64"),
+            mixed_precision=False,
+            description="every argument (both GRU forms, stacked, bidirectional, batch_first, lengths); "
+                        "one GEMM + one fused kernel per step",
+            **GPU_SUPPORT,
+        ),
+        priority=NUMBA_CUDA_PRIORITY,
+    )

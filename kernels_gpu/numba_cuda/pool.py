@@ -1,0 +1,270 @@
+"""Numba-CUDA kernels for ``max_pool`` and ``avg_pool``, forward and backward (backend ``"numba_cuda"``).
+
+Every call (1-D to 3-D, channels first or last, batched or not) runs on one canonical view of
+the C-contiguous ``x``: ``B`` planes of ``D·H·W`` spatial positions holding ``K`` contiguous
+channels each — ``B = N·C, K = 1`` channels first, ``B = N, K = C`` channels last (``N = 1``
+unbatched).  1-D and 2-D pools are 3-D pools with leading spatial axes of size 1 (window 1,
+stride 1, no padding), so one kernel per dtype serves every case.  The geometry travels as one
+tuple of 21 int64 (:func:`_geometry`).
+
+* forward: one thread per output element walks its window in row-major order over the
+  positions inside ``x``.  Max starts at −∞ on the window's first real position and takes
+  ``v > best or v is NaN`` (ties keep the first maximum; NaN propagates and the last NaN wins,
+  as in the reference and PyTorch's CPU kernels); the winning spatial position is kept as an
+  int32 per output (−1 for a window of padding only, which outputs −∞).  Average sums in
+  float64 and divides by the product of the per-axis divisors, computed with the api's rule
+  (``count_include_pad``; positions beyond the padded input, created by ``ceil_mode``, never count).
+* backward: gather, not scatter — one thread per input element visits the outputs whose window
+  covers it (per axis, offsets ``t`` with ``i + padding − t·dilation`` a non-negative multiple of
+  the stride below the output size) in window order and sums their contributions in float64
+  (``dy`` where the kept position is this one, for max; ``dy / divisor`` for average).  No
+  atomics: the result is deterministic.
+
+Supported (declared in ``__init__.py``): float16, bfloat16 (float32 comparisons, float64 sums),
+float32, float64; layouts channels first and last; every window/stride/padding/dilation/
+ceil_mode/count_include_pad the api accepts; planes below 2**31 positions (int32 positions).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+
+from . import _runtime as rt
+from ._runtime import cast_as, device, kernel, load, store
+
+#: Entries of the geometry tuple: in (3), out (3), window (3), stride (3), padding (3),
+#: dilation (3), K, count_include_pad, B.
+_G = "UniTuple(int64, 21)"
+_MAX_FWD = f"void({{x}}[::1], {{x}}[::1], int32[::1], {_G})"
+_AVG_FWD = f"void({{x}}[::1], {{x}}[::1], {_G})"
+_MAX_BWD = f"void({{x}}[::1], int32[::1], {{x}}[::1], {_G})"
+_AVG_BWD = f"void({{x}}[::1], {{x}}[::1], {_G})"
+
+
+@device
+def _axis_divisor(o, n, k, s, p, cip):
+    """Window positions counted along one axis by output ``o`` (the api's ``_avg_divisors`` rule)."""
+    start = o * s - p
+    end = min(start + k, n + p)
+    count = end - start if cip else min(end, n) - max(start, 0)
+    return max(count, 1)
+
+
+@device
+def _divisor(od, oh, ow, g):
+    """The avg divisor of output (od, oh, ow): the product of the per-axis counts."""
+    a = _axis_divisor(od, g[0], g[6], g[9], g[12], g[19])
+    b = _axis_divisor(oh, g[1], g[7], g[10], g[13], g[19])
+    c = _axis_divisor(ow, g[2], g[8], g[11], g[14], g[19])
+    return np.float64(a * b * c)
+
+
+@device
+def _split_out(i, g):
+    """(plane, od, oh, ow, channel) of flat output index ``i``."""
+    K = g[18]
+    ch = i % K
+    r = i // K
+    ow = r % g[5]
+    r //= g[5]
+    oh = r % g[4]
+    r //= g[4]
+    od = r % g[3]
+    return r // g[3], od, oh, ow, ch
+
+
+@kernel(_MAX_FWD)
+def _max_forward(x, y, idx, g):
+    """y = window maximum (first max wins ties, NaN propagates); idx = its spatial position or −1."""
+    total = g[20] * g[3] * g[4] * g[5] * g[18]
+    plane = g[0] * g[1] * g[2] * g[18]
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < total:
+        b, od, oh, ow, ch = _split_out(i, g)
+        base = b * plane + ch
+        best = cast_as(load(x, base), -math.inf)
+        bi = -1
+        for a in range(g[6]):
+            zd = od * g[9] - g[12] + a * g[15]
+            if zd < 0 or zd >= g[0]:
+                continue
+            for c in range(g[7]):
+                zh = oh * g[10] - g[13] + c * g[16]
+                if zh < 0 or zh >= g[1]:
+                    continue
+                for e in range(g[8]):
+                    zw = ow * g[11] - g[14] + e * g[17]
+                    if zw < 0 or zw >= g[2]:
+                        continue
+                    p = (zd * g[1] + zh) * g[2] + zw
+                    v = load(x, base + p * g[18])
+                    if bi < 0:
+                        bi = p
+                    if v > best or v != v:
+                        best = v
+                        bi = p
+        store(y, i, best)
+        idx[i] = bi
+        i += stride
+
+
+@kernel(_AVG_FWD)
+def _avg_forward(x, y, g):
+    """y = Σ_window x / divisor (float64 sum in window order)."""
+    total = g[20] * g[3] * g[4] * g[5] * g[18]
+    plane = g[0] * g[1] * g[2] * g[18]
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < total:
+        b, od, oh, ow, ch = _split_out(i, g)
+        base = b * plane + ch
+        acc = 0.0
+        for a in range(g[6]):
+            zd = od * g[9] - g[12] + a * g[15]
+            if zd < 0 or zd >= g[0]:
+                continue
+            for c in range(g[7]):
+                zh = oh * g[10] - g[13] + c * g[16]
+                if zh < 0 or zh >= g[1]:
+                    continue
+                for e in range(g[8]):
+                    zw = ow * g[11] - g[14] + e * g[17]
+                    if zw < 0 or zw >= g[2]:
+                        continue
+                    acc += np.float64(load(x, base + ((zd * g[1] + zh) * g[2] + zw) * g[18]))
+        store(y, i, cast_as(load(x, base), acc / _divisor(od, oh, ow, g)))
+        i += stride
+
+
+@device
+def _out_index(z, t, n_out, s, p, dl):
+    """The output along one axis whose window offset ``t`` lands on input ``z``, or −1."""
+    num = z + p - t * dl
+    if num < 0 or num % s != 0:
+        return -1
+    o = num // s
+    return o if o < n_out else -1
+
+
+@device
+def _gather(dy, idx, g, i, use_idx):
+    """Σ of the contributions to input element ``i`` over the windows covering it (float64)."""
+    K = g[18]
+    ch = i % K
+    r = i // K
+    zw = r % g[2]
+    r //= g[2]
+    zh = r % g[1]
+    r //= g[1]
+    zd = r % g[0]
+    b = r // g[0]
+    pos = (zd * g[1] + zh) * g[2] + zw
+    acc = 0.0
+    for a in range(g[6]):
+        od = _out_index(zd, a, g[3], g[9], g[12], g[15])
+        if od < 0:
+            continue
+        for c in range(g[7]):
+            oh = _out_index(zh, c, g[4], g[10], g[13], g[16])
+            if oh < 0:
+                continue
+            for e in range(g[8]):
+                ow = _out_index(zw, e, g[5], g[11], g[14], g[17])
+                if ow < 0:
+                    continue
+                j = (((b * g[3] + od) * g[4] + oh) * g[5] + ow) * K + ch
+                if use_idx:
+                    if idx[j] == pos:
+                        acc += np.float64(load(dy, j))
+                else:
+                    acc += np.float64(load(dy, j)) / _divisor(od, oh, ow, g)
+    return acc
+
+
+@kernel(_MAX_BWD)
+def _max_backward(dy, idx, dx, g):
+    """dx[i] = Σ dy over the windows whose kept maximum is position i."""
+    total = g[20] * g[0] * g[1] * g[2] * g[18]
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < total:
+        store(dx, i, _gather(dy, idx, g, i, True))
+        i += stride
+
+
+@kernel(_AVG_BWD)
+def _avg_backward(dy, dx, g):
+    """dx[i] = Σ dy / divisor over the windows covering position i."""
+    total = g[20] * g[0] * g[1] * g[2] * g[18]
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < total:
+        store(dx, i, _gather(dy, dy, g, i, False))
+        i += stride
+
+
+# --------------------------------------------------------------------------- host side
+
+
+def _geometry(call, shape) -> tuple[int, ...]:
+    """The 21-int geometry tuple of a call (1-D/2-D padded to 3-D with unit leading axes)."""
+    d = len(call.window)
+    lead = 3 - d
+
+    def three(values, fill):
+        return (fill,) * lead + tuple(int(v) for v in values)
+
+    spatial = set(call.spatial_axes)
+    other = [int(s) for a, s in enumerate(shape) if a not in spatial]
+    if call.layout == "channels_last":
+        k, b = other[-1], math.prod(other[:-1])
+    else:
+        k, b = 1, math.prod(other)
+    return (*three(call.in_size, 1), *three(call.out_size, 1), *three(call.window, 1), *three(call.stride, 1),
+            *three(call.padding, 0), *three(call.dilation, 1), k,
+            int(bool(call.params.get("count_include_pad", True))), b)
+
+
+def _out_shape(call, shape) -> tuple[int, ...]:
+    out = list(shape)
+    for a, o in zip(call.spatial_axes, call.out_size):
+        out[a] = int(o)
+    return tuple(out)
+
+
+def pool_forward(call):
+    """y = max_pool(x) or avg_pool(x); keeps the int32 argmax positions (max) and the geometry."""
+    x = call.x
+    xp = rt.array_module(x)
+    shape = tuple(int(s) for s in x.shape)
+    g = _geometry(call, shape)
+    y = xp.empty(_out_shape(call, shape), dtype=x.dtype)
+    n, block = rt.prod(y.shape), rt.settings().block
+    flat_x, flat_y = x.reshape(-1), y.reshape(-1)
+    if call.op == "max_pool":
+        idx = xp.empty(n, np.int32)
+        rt.launch(_max_forward, rt.blocks_for(n, block), block, flat_x, flat_y, idx, g)
+    else:
+        idx = None
+        rt.launch(_avg_forward, rt.blocks_for(n, block), block, flat_x, flat_y, g)
+    return (y,), ((idx, g, shape, x.dtype) if call.save else None)
+
+
+def pool_backward(residuals, cotangents, needs, out=None):
+    """dx by gathering, per input element, the contributions of the windows that cover it."""
+    if "x" not in needs:
+        return {}
+    idx, g, shape, dtype = residuals
+    xp = rt.array_module(cotangents[0])
+    dy = xp.ascontiguousarray(rt.cast(cotangents[0], dtype)).reshape(-1)
+    dx = xp.empty(shape, dtype=dtype)
+    n, block = rt.prod(shape), rt.settings().block
+    if idx is not None:
+        rt.launch(_max_backward, rt.blocks_for(n, block), block, dy, idx, dx.reshape(-1), g)
+    else:
+        rt.launch(_avg_backward, rt.blocks_for(n, block), block, dy, dx.reshape(-1), g)
+    return {"x": rt.into(out or {}, "x", dx)}

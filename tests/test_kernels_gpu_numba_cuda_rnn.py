@@ -1,0 +1,283 @@
+"""Numba-CUDA recurrent kernels (``kernels_gpu/numba_cuda/rnn.py``), verified without a GPU and on one.
+
+* declarations: the six ops' ``numba_cuda`` support (registered here for the tests' duration, exactly
+  as ``kernels_gpu/numba_cuda/__init__.py`` declares them, when that file does not yet);
+* PTX: every kernel of the module compiles for each dtype variant's explicit signature at sm_80, and
+  at sm_90 (float32 by default, float64 with ``-m slow``);
+* simulator: ``tests/_numba_cuda_rnn_sim_checks.py`` runs in a subprocess with
+  ``NUMBA_ENABLE_CUDASIM=1``, each case through dispatch (``pnn.vjp``) on the module's entry
+  points, compared with the float64 reference;
+* ``-m gpu``: every op and gradient forced onto ``numba_cuda`` with CuPy arrays (and one with CUDA
+  torch tensors) against the float64 reference, ``explain`` confirming the backend.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import portable_nn as pnn
+from portable_nn import dispatch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import _numba_cuda_rnn_sim_checks as sim  # noqa: E402
+from test_kernels_gpu_numba_cuda import target_device  # noqa: E402, F401  (fixture)
+
+HAS_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
+needs_numba_cuda = pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is not installed")
+OPS = (*sim.CELLS, *sim.SEQUENCES)
+
+
+# --------------------------------------------------------------------------- declarations
+
+
+def _declare() -> None:
+    """The ``register_builtin`` block of ``kernels_gpu/numba_cuda/__init__.py`` for the recurrent ops."""
+    from kernels_gpu.numba_cuda import _PKG, GPU_SUPPORT, NUMBA_CUDA_PRIORITY
+    from portable_nn.dispatch import Support, register_builtin
+
+    for op in OPS:
+        kind = "cell" if op in sim.CELLS else "sequence"
+        register_builtin(
+            op,
+            "numba_cuda",
+            forward=f"{_PKG}.rnn:{kind}_forward",
+            backward=f"{_PKG}.rnn:{kind}_backward",
+            supports=Support(
+                dtypes=("float32", "float64"),
+                mixed_precision=False,
+                description="every argument (both GRU forms, stacked, bidirectional, batch_first, lengths); "
+                            "one GEMM + one fused kernel per step",
+                **GPU_SUPPORT,
+            ),
+            priority=NUMBA_CUDA_PRIORITY,
+        )
+
+
+def _ours(op):
+    return next((i for i in dispatch.implementations(op) if i.backend == "numba_cuda"), None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def declared():
+    """The ops declared on numba_cuda while this module's tests run (the registry restored afterwards)."""
+    before = {op: list(dispatch.implementations(op)) for op in OPS}
+    if all(_ours(op) is not None for op in OPS):
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        for op in OPS:
+            mp.setitem(dispatch._registry, op, list(dispatch._registry.get(op, [])))
+        _declare()
+        yield
+    dispatch._forget_choices()
+    assert {op: list(dispatch.implementations(op)) for op in OPS} == before
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_declared_support(op):
+    impl = _ours(op)
+    s = impl.supports
+    assert s.families == ("cupy", "torch") and s.devices == ("cuda",) and s.native == "cupy" and s.contiguous
+    assert set(s.dtypes) == {"float32", "float64"} and not s.mixed_precision
+    assert impl.backward is not None
+    kind = "cell" if op in sim.CELLS else "sequence"
+    assert impl.forward == f"kernels_gpu.numba_cuda.rnn:{kind}_forward"
+    assert impl.backward == f"kernels_gpu.numba_cuda.rnn:{kind}_backward"
+
+
+def test_declared_entry_points_exist():
+    if not HAS_NUMBA_CUDA:
+        pytest.skip("numba-cuda is not installed")
+    from kernels_gpu.numba_cuda import rnn
+
+    for op in OPS:
+        impl = _ours(op)
+        for ref in (impl.forward, impl.backward):
+            assert callable(getattr(rnn, ref.split(":")[1]))
+
+
+def test_without_a_gpu_forcing_raises_and_auto_falls_back():
+    if pnn.available_backends()["numba_cuda"]:
+        pytest.skip("a GPU is available here")
+    x, params, h0, c0 = sim.sequence_args("lstm", 2, 2, 3, 2, 1, 1, "float32")
+    with pnn.use_backend("numba_cuda"), pytest.raises(pnn.BackendUnavailableError, match="numba_cuda"):
+        pnn.lstm(x, params, h0, c0)
+    assert pnn.explain(pnn.lstm, x, params, h0, c0).backend != "numba_cuda"
+
+
+# --------------------------------------------------------------------------- PTX
+
+
+def _specs():
+    if not HAS_NUMBA_CUDA:
+        return []
+    from kernels_gpu.numba_cuda import _runtime, rnn
+
+    return [s for s in _runtime.KERNELS if s.name.startswith(rnn.__name__ + ".")]
+
+
+_SPECS = _specs()
+
+
+def _ptx_params():
+    params = []
+    for spec in _SPECS:
+        short = spec.name.rsplit(".", 1)[1]
+        for sig in spec.signatures:
+            variant = "float32" if "float32" in sig else "float64"
+            params.append(pytest.param(spec, sig, (8, 0), id=f"{short}-{variant}-sm80"))
+            marks = () if variant == "float32" else (pytest.mark.slow,)
+            params.append(pytest.param(spec, sig, (9, 0), marks=marks, id=f"{short}-{variant}-sm90"))
+    return params
+
+
+@needs_numba_cuda
+def test_every_rnn_kernel_is_declared_for_both_dtypes():
+    names = {s.name.rsplit(".", 1)[1]: s for s in _SPECS}
+    assert {"_forward_step", "_backward_step", "_column_partials", "_fold_partials"} <= set(names)
+    for name in ("_forward_step", "_backward_step", "_column_partials"):
+        sigs = names[name].signatures
+        assert len(sigs) == 2 and any("float32" in s for s in sigs) and any("float32" not in s for s in sigs)
+
+
+@needs_numba_cuda
+@pytest.mark.parametrize(("spec", "signature", "cc"), _ptx_params())
+def test_rnn_kernel_compiles_to_ptx(spec, signature, cc, target_device):  # noqa: F811
+    from numba import cuda
+
+    target_device.compute_capability = cc
+    ptx, _ = cuda.compile_ptx(spec.py_func, signature, cc=cc)
+    assert f".target sm_{cc[0]}{cc[1]}" in ptx
+    assert ".entry" in ptx
+
+
+# --------------------------------------------------------------------------- simulator
+
+
+@pytest.fixture(scope="module")
+def simulator_results():
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
+    proc = subprocess.run([sys.executable, str(HERE / "_numba_cuda_rnn_sim_checks.py")], capture_output=True,
+                          text=True, env=env, cwd=HERE.parent, timeout=900)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            results[r["id"]] = r
+    if proc.returncode != 0 or not results:
+        pytest.fail(f"simulator run failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return results
+
+
+@needs_numba_cuda
+@pytest.mark.parametrize("case_id", sim.CASES)
+def test_simulator_matches_reference(case_id, simulator_results):
+    r = simulator_results.get(case_id)
+    assert r is not None, f"{case_id} did not report"
+    assert "error" not in r, r.get("traceback", r.get("error"))
+    assert r["errors"], "nothing was compared"
+    bad = {k: v for k, v in r["errors"].items() if not v <= r["tol"]}
+    assert not bad, f"relative errors above {r['tol']:.0e}: {bad}"
+
+
+@needs_numba_cuda
+def test_simulator_covers_every_op_and_gradient(simulator_results):
+    ops = {r["id"].split("/")[0] for r in simulator_results.values()}
+    assert set(OPS) <= ops
+    grads = {k for r in simulator_results.values() for k in r["errors"] if k.startswith("d")}
+    assert {"dx", "dh", "dc", "dw_ih", "dw_hh", "db_ih", "db_hh", "dh0", "dc0", "dparams[3][3]"} <= grads
+
+
+# --------------------------------------------------------------------------- on a GPU
+
+
+def _gpu_check(op, args, kw, dtype, wrt=None):
+    """Forward and every gradient of ``op`` forced onto numba_cuda (CuPy) against the float64 reference."""
+    import cupy
+
+    def to_gpu(a):
+        if isinstance(a, (list, tuple)):
+            return type(a)(to_gpu(v) for v in a)
+        return None if a is None else cupy.asarray(a)
+
+    def to_host(a):
+        if isinstance(a, (list, tuple)):
+            return type(a)(to_host(v) for v in a)
+        return None if a is None else cupy.asnumpy(a)
+
+    fn = getattr(pnn, op)
+    gargs = to_gpu(args)
+    vkw = {} if wrt is None else {"wrt": wrt}
+    with pnn.use_backend("numba_cuda"):
+        assert pnn.explain(fn, *gargs, **kw).backend == "numba_cuda"
+        result, pullback = pnn.vjp(fn, *gargs, **kw, **vkw)
+        ct = sim._cotangent(to_host(result), np.random.default_rng(3))
+        grads = pullback(to_gpu(ct))
+    with pnn.use_backend("reference"):
+        result_r, pull_r = pnn.vjp(fn, *sim._to64(args), **kw, **vkw)
+        grads_r = pull_r(sim._to64(ct))
+    tol = {"float64": 1e-11, "float32": 5e-5}[dtype]
+    for (name, a), (_, e) in zip(sim._leaves("y", to_host(result)), sim._leaves("y", result_r)):
+        assert a.dtype == np.dtype(dtype)
+        assert sim.rel(a, e) <= tol, name
+    for field in grads_r._fields:
+        mine = sim._leaves(field, to_host(getattr(grads, field)))
+        ref = sim._leaves(field, getattr(grads_r, field))
+        assert [n for n, _ in mine] == [n for n, _ in ref], field
+        for (name, a), (_, e) in zip(mine, ref):
+            assert sim.rel(a, e) <= 10 * tol, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(("op", "kw", "biases", "unbatched"), [
+    ("rnn_cell", {"activation": "relu"}, (True, True), False),
+    ("rnn_cell", {}, (False, True), True),
+    ("lstm_cell", {}, (True, True), False),
+    ("gru_cell", {}, (True, False), False),
+    ("gru_cell", {"reset_after": False}, (True, True), True),
+])
+def test_gpu_cells_match_reference(op, kw, biases, unbatched, dtype):
+    _gpu_check(op, sim.cell_args(op, 5, 7, 6, dtype, biases, unbatched), kw, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(("op", "kw"), [
+    ("rnn", {"activation": "relu", "lengths": [5, 2, 4, 1]}),
+    ("rnn", {"bidirectional": True, "batch_first": True}),
+    ("lstm", {"bidirectional": True, "lengths": [3, 5, 1, 4]}),
+    ("lstm", {"batch_first": True}),
+    ("gru", {"bidirectional": True, "lengths": [5, 5, 2, 3]}),
+    ("gru", {"reset_after": False, "bidirectional": True, "batch_first": True, "lengths": [1, 5, 4, 2]}),
+])
+def test_gpu_sequences_match_reference(op, kw, dtype):
+    args = sim.sequence_args(op, 5, 4, 6, 8, 2, 2 if kw.get("bidirectional") else 1, dtype,
+                             batch_first=kw.get("batch_first", False))
+    _gpu_check(op, args, kw, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_lstm_on_torch_cuda_tensors_matches_torch():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    ref = torch.nn.LSTM(6, 8, num_layers=2, bidirectional=True).double()
+    x = torch.randn(5, 3, 6, dtype=torch.float64)
+    expected, (h_e, c_e) = ref(x)
+    params = [tuple(getattr(ref, f"{w}_l{k // 2}{'_reverse' if k % 2 else ''}").detach().cuda()
+                    for w in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")) for k in range(4)]
+    with pnn.use_backend("numba_cuda"):
+        assert pnn.explain(pnn.lstm, x.cuda(), params, bidirectional=True).backend == "numba_cuda"
+        y, (h_n, c_n) = pnn.lstm(x.cuda(), params, bidirectional=True)
+    for a, e in ((y, expected), (h_n, h_e), (c_n, c_e)):
+        assert sim.rel(a.cpu().numpy(), e.detach().numpy()) <= 1e-11
