@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import subprocess
 import sys
@@ -74,7 +75,7 @@ def run_tests(quick: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "gpu.xml"
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-               f"--junitxml={junit}", *(["-x"] if quick else [])]
+               f"--junitxml={junit}", *(["-x"] if quick else []), *_parallel_workers()]
         t0 = time.perf_counter()
         try:
             out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=TEST_TIMEOUT_S)
@@ -85,6 +86,14 @@ def run_tests(quick: bool) -> dict[str, Any]:
         result["returncode"] = out.returncode
         result["tail"] = out.stdout[-3000:]
     return result
+
+
+def _parallel_workers() -> list[str]:
+    """``-n N`` when pytest-xdist is installed: the GPU tests are thousands of small cases, mostly
+    host-side checking, so a few processes sharing the device finish well inside the time budget."""
+    if importlib.util.find_spec("xdist") is None:
+        return []
+    return ["-n", str(max(1, min(8, (os.cpu_count() or 2) // 2)))]
 
 
 def _parse_junit(path: Path) -> dict[str, Any]:
