@@ -1476,11 +1476,21 @@ class BatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):
     state_dict keys.
 
     Args:
-        num_features, eps, momentum, affine, track_running_stats, device, dtype,
-            bias: as in ``torch.nn.BatchNorm1d``.
+        num_features: the number of channels C.
+        eps: added to the variance for stability.
+        momentum: weight of the batch statistics in the running averages; ``None`` for a
+            cumulative average.
+        affine: whether to learn ``weight`` (ones) and ``bias`` (zeros).
+        track_running_stats: whether to keep ``running_mean``, ``running_var`` and
+            ``num_batches_tracked`` (evaluation then uses them).
+        device: where the parameters and buffers are created.
+        dtype: their dtype.
+        bias: keyword-only; ``False`` drops the learned shift (newer ``torch.nn`` option).
         activation: keyword-only fused activation (default ``"identity"``), e.g.
             ``"relu"`` for batch norm + ReLU in one kernel.
         channel_axis: keyword-only; 1 (PyTorch's layout) or -1 for channels-last data.
+
+    The first eight are ``torch.nn.BatchNorm1d``'s, with its defaults.
     """
 
 
@@ -1561,10 +1571,18 @@ class InstanceNorm1d(_InstanceNormMixin, nn.InstanceNorm1d):
     ``track_running_stats=False`` as in ``torch.nn``.
 
     Args:
-        num_features, eps, momentum, affine, track_running_stats, device, dtype,
-            bias: as in ``torch.nn.InstanceNorm1d``.
+        num_features: the number of channels C.
+        eps: added to the variance for stability.
+        momentum: weight of the batch statistics in the running averages.
+        affine: whether to learn a per-channel ``weight`` and ``bias``.
+        track_running_stats: whether to keep running statistics (evaluation then uses them).
+        device: where the parameters and buffers are created.
+        dtype: their dtype.
+        bias: keyword-only; ``False`` drops the learned shift (newer ``torch.nn`` option).
         activation: keyword-only fused activation (default ``"identity"``).
         channel_axis: keyword-only; 1 (PyTorch's layout) or -1 for channels-last data.
+
+    The first eight are ``torch.nn.InstanceNorm1d``'s, with its defaults.
     """
 
 
@@ -1628,13 +1646,23 @@ class Conv1d(_ConvMixin, nn.Conv1d):
     """Drop-in ``torch.nn.Conv1d`` with the bias and an optional activation fused into our kernel.
 
     Args:
-        in_channels, out_channels, kernel_size, stride, padding, dilation,
-            groups, bias, padding_mode, device, dtype: as in ``torch.nn.Conv1d``
-            (``padding`` may be ``"same"`` or ``"valid"``; a ``padding_mode``
-            other than ``"zeros"`` pads with ``F.pad`` first, as PyTorch does).
+        in_channels: channels of the input.
+        out_channels: channels of the output.
+        kernel_size: the window, an int or one int per spatial axis.
+        stride: step of the window.
+        padding: zeros added on both sides of each spatial axis, or ``"same"`` or ``"valid"``.
+        dilation: spacing between the window's taps.
+        groups: channel groups convolved separately.
+        bias: whether to learn a bias, added inside the kernel.
+        padding_mode: ``"zeros"``, or ``"reflect"``, ``"replicate"``, ``"circular"``,
+            which pad with ``F.pad`` first, as PyTorch does.
+        device: where the parameters are created.
+        dtype: their dtype.
         activation: keyword-only fused activation (default ``"identity"``).
         channel_axis: keyword-only; 1 (``(N, C, L)``, PyTorch's) or -1 for
             channels-last ``(N, L, C)`` data (zero padding only).
+
+    All but the last two are ``torch.nn.Conv1d``'s, with its defaults.
 
     Weight ``(out_channels, in_channels/groups, *kernel_size)``, initialisation
     and state_dict keys are ``torch.nn``'s.
@@ -1795,10 +1823,19 @@ class LSTM(_Recurrent):
     ``PackedSequence`` input and a ``lengths=`` keyword for padded batches.
 
     Args:
-        input_size, hidden_size, num_layers, bias, batch_first, dropout,
-            bidirectional, device, dtype: as in ``torch.nn.LSTM`` (``dropout``
-            acts between layers in training, through ``torch.nn.functional.dropout``).
+        input_size: features of each input step.
+        hidden_size: features of the hidden and cell states.
+        num_layers: stacked layers.
+        bias: whether the layers have ``bias_ih`` and ``bias_hh``.
+        batch_first: whether input and output are ``(N, T, ·)`` rather than ``(T, N, ·)``.
+        dropout: dropout between layers in training, through
+            ``torch.nn.functional.dropout``.
+        bidirectional: whether each layer also runs backwards in time.
         proj_size: must be 0; projections raise ``NotImplementedError``.
+        device: where the parameters are created.
+        dtype: their dtype.
+
+    These are ``torch.nn.LSTM``'s arguments, with its defaults.
     """
 
     _has_cell = True
@@ -1833,8 +1870,15 @@ class GRU(_Recurrent):
     ``forward`` also accepts ``PackedSequence`` input and ``lengths=``.
 
     Args:
-        input_size, hidden_size, num_layers, bias, batch_first, dropout,
-            bidirectional, device, dtype: as in ``torch.nn.GRU``.
+        input_size: features of each input step.
+        hidden_size: features of the hidden state.
+        num_layers: stacked layers.
+        bias: whether the layers have ``bias_ih`` and ``bias_hh``.
+        batch_first: whether input and output are ``(N, T, ·)`` rather than ``(T, N, ·)``.
+        dropout: dropout between layers in training.
+        bidirectional: whether each layer also runs backwards in time.
+        device: where the parameters are created.
+        dtype: their dtype.
         reset_after: keyword-only; ``True`` (default) is PyTorch's (and cuDNN's)
             form n = tanh(W_in x + b_in + r ⊙ (W_hn h + b_hn)); ``False`` the
             original form n = tanh(W_in x + b_in + W_hn (r ⊙ h) + b_hn), which
@@ -1878,8 +1922,18 @@ class RNN(_Recurrent):
     ``forward`` also accepts ``PackedSequence`` input and ``lengths=``.
 
     Args:
-        input_size, hidden_size, num_layers, nonlinearity, bias, batch_first,
-            dropout, bidirectional, device, dtype: as in ``torch.nn.RNN``.
+        input_size: features of each input step.
+        hidden_size: features of the hidden state.
+        num_layers: stacked layers.
+        nonlinearity: ``"tanh"`` or ``"relu"``.
+        bias: whether the layers have ``bias_ih`` and ``bias_hh``.
+        batch_first: whether input and output are ``(N, T, ·)`` rather than ``(T, N, ·)``.
+        dropout: dropout between layers in training.
+        bidirectional: whether each layer also runs backwards in time.
+        device: where the parameters are created.
+        dtype: their dtype.
+
+    These are ``torch.nn.RNN``'s arguments, with its defaults.
     """
 
     def __init__(
