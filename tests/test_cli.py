@@ -57,3 +57,16 @@ def test_environment_variable_in_a_fresh_process(value):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "PORTABLE_NN_BACKEND" in out.stdout
+
+
+def test_readme_quick_start_is_two_commands_and_ci_runs_the_second():
+    """The quick start's promise: one command for the demo, one for the tests, which CI runs verbatim."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    quick = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    blocks = [b.split("```", 1)[0].strip() for b in quick.split("```bash\n")[1:]]
+    assert len(blocks) == 2 and all("\n" not in b for b in blocks), blocks
+    assert blocks[0].endswith("python -m portable_nn demo") and '".[examples]"' in blocks[0]
+    assert blocks[1] in (root / ".ci" / "run").read_text()
