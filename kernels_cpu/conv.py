@@ -571,6 +571,8 @@ def conv_backward(residuals, cotangents, needs, out=None):
     out = out or {}
     dtype = xp.dtype
     dyf = np.ascontiguousarray(cotangents[0], dtype=dtype).reshape(-1)
+    if not dyf.flags.writeable:  # the one compiled kernel serves both directions and is typed for writable arrays
+        dyf = dyf.copy()
     kf = dyf if kept is None else kept.reshape(-1)
     act_ = call.activation
     need_x, need_w = "x" in needs, "weight" in needs

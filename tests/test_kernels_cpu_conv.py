@@ -287,3 +287,18 @@ def test_dense_residuals(act, kept):
         assert np.shares_memory(kept_array, y)
     else:
         np.testing.assert_allclose(kept_array, x @ w.T + b, rtol=1e-6, atol=1e-6)
+
+
+def test_backward_takes_a_read_only_cotangent():
+    """JAX and frozen arrays hand over read-only buffers; the kernel must not need to write them."""
+    rng = np.random.default_rng(0)
+    x, w, b = rng.standard_normal((2, 4, 5, 5)), rng.standard_normal((6, 2, 3, 3)), rng.standard_normal(6)
+    kwargs = dict(stride=(2, 1), padding=1, groups=2, activation="tanh")
+    with pnn.use_backend("numba"):
+        y, pullback = pnn.vjp(pnn.conv, x, w, b, **kwargs)
+        dy = rng.standard_normal(y.shape)
+        expected = pullback(dy.copy())
+        dy.flags.writeable = False
+        got = pullback(dy)
+    for name in ("x", "weight", "bias"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(expected, name))

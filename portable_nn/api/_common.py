@@ -133,11 +133,13 @@ def check_same_library(named: Mapping[str, Any]) -> tuple[str, str]:
         listing = ", ".join(f"{n} is {_arrays.describe_family(f)}" for n, f in families.items())
         raise TypeError(f"arrays from different libraries in one call: {listing}; pass arrays of one library")
     devices = {name: _arrays.device_of(value) for name, value in present}
-    if len(set(devices.values())) > 1:
-        listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
+    # A JAX tracer has no device ("none"): it takes the device of the arrays it meets.
+    known = {name: d for name, d in devices.items() if d != "none"}
+    if len(set(known.values())) > 1:
+        listing = ", ".join(f"{n} on {d}" for n, d in known.items())
         raise ValueError(f"arrays on different devices in one call: {listing}; move them to one device")
     first = present[0][0]
-    return families[first], devices[first]
+    return families[first], next(iter(known.values()), devices[first])
 
 
 def floating_dtype(xp: Any, value: Any, name: str) -> str:

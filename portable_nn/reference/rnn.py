@@ -49,7 +49,7 @@ from typing import Any
 from .. import _arrays
 from ..dispatch import Call
 from . import activations
-from ._common import compute_dtype
+from ._common import compute_dtype, device
 
 __all__ = [
     "gru_backward",
@@ -314,7 +314,7 @@ def _forward_direction(
     w_ih, w_hh, b_ih, b_hh = w
     steps, n, features = (int(s) for s in X.shape)
     gh, hs = (int(s) for s in w_hh.shape)
-    dt, dev = X.dtype, X.device
+    dt, dev = X.dtype, device(X)
     gi = xp.matmul(xp.reshape(X, (steps * n, features)), w_ih.T)
     if b_ih is not None:
         gi = gi + b_ih
@@ -377,7 +377,7 @@ def _backward_direction(
     w_ih, w_hh, b_ih, b_hh = w
     steps, n, features = (int(s) for s in X.shape)
     gh, hs = (int(s) for s in w_hh.shape)
-    dt, dev = X.dtype, X.device
+    dt, dev = X.dtype, device(X)
     dgi = _Steps(xp, steps, (n, gh), dt, dev)
     dext = _Steps(xp, steps, (n, hs), dt, dev) if kind.has_extra else None
     zeros = xp.zeros((n, hs), dtype=dt, device=dev) if mask is not None else None
@@ -516,7 +516,7 @@ def _sequence_forward(call: Call) -> tuple[tuple[Any, ...], Any]:
     if call.batch_first:
         X = xp.permute_dims(X, (1, 0, 2))
     steps, n = int(X.shape[0]), int(X.shape[1])
-    dev = X.device
+    dev = device(X)
     mask = _mask(xp, call, steps, n, dev)
 
     def initial(name: str) -> Any:

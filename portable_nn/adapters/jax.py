@@ -1,0 +1,964 @@
+"""JAX adapter: every portable_nn op as a JAX function with a ``jax.custom_vjp``.
+
+``import portable_nn.jax as pnj`` gives the ops of :mod:`portable_nn` with the same
+signatures and semantics (``pnj.layer_norm(x, w, b, activation="gelu")``), as
+functions JAX can transform: ``jax.grad``, ``jax.vjp``, ``jax.jit`` and
+``jax.vmap`` all work, and the gradients are portable_nn's own fused backward
+kernels, not JAX's differentiation of the forward.
+
+Which kernels run
+-----------------
+Each call takes one of two routes, chosen when the call is traced (once per
+compilation under ``jit``; ``explain`` tells which one a call gets):
+
+* **Numba kernels through a host callback** (``"callback"``).  On the CPU the
+  array data is handed to portable_nn's Numba kernels as NumPy arrays: under
+  ``jit`` (and any other transformation) through ``jax.pure_callback`` — an
+  XLA custom call that gives the kernel the buffers (zero-copy on the CPU) and
+  returns its results — and eagerly through a plain call on ``np.asarray``
+  views.  Gradients run the fused backward kernel in a second callback.  A
+  kernel's saved intermediates are NumPy objects that cannot live inside a
+  JAX program, so the backward callback re-runs the forward kernel to rebuild
+  them: a gradient costs one extra forward (the price JAX's ``checkpoint``
+  pays), and the gradients nobody differentiates (``jax.grad`` of the weights
+  only, a running statistic…) are neither computed nor allocated.  XLA cannot
+  fuse across a callback, and a callback runs each vmapped example in turn
+  (``vmap_method="sequential"``).
+* **The reference traced with jax.numpy** (``"traced"``).  portable_nn's
+  array-API reference implementation, forward and hand-written backward, is
+  traced with ``jax.numpy`` as its namespace, so XLA compiles it for whatever
+  device the program runs on (CPU, GPU, TPU), fuses it with its neighbours and
+  vmaps it natively.  Its backward re-traces the forward to rebuild the
+  intermediates; under ``jit`` XLA merges that with the forward pass, so it
+  costs nothing.  Outside ``jit`` it runs operation by operation, each JAX
+  primitive compiled on first use: put models under ``jit``.
+
+The route follows portable_nn's backend configuration for the op
+(``pnn.use_backend``, ``pnn.set_backend``, ``PORTABLE_NN_BACKEND``), read at
+trace time:
+
+* ``"auto"`` (the default): on the CPU, the recurrent sequences (``rnn``,
+  ``lstm``, ``gru``) take the callback route when dispatch would run a kernel
+  on NumPy arrays of the call's shapes, dtype and layout (the Numba kernels
+  take float32 and float64); every other op, and every op when JAX runs on a
+  GPU or TPU, takes the traced reference.  The reason is measured: XLA fuses
+  the elementwise and reduction work of norms, dense, pooling, losses and
+  cells as well as portable_nn's kernels do, and without a host round trip or
+  a recomputed forward, so the traced reference was as fast or faster in
+  ``jit(grad(...))`` for those ops (up to ~4x); the time loop of a recurrent
+  layer is where XLA, given a trace unrolled over every time step, falls
+  behind: the Numba sequence kernels ran the gradient 2-7x faster, and the
+  unrolled trace can take minutes to compile for long sequences.
+* ``"reference"``: always the traced reference.
+* any other backend (``"numba"``, or one added with ``pnn.register_kernel``):
+  the callback route on that backend, or ``BackendUnavailableError`` at trace
+  time when it cannot take the call (a float16 call forced to ``"numba"``).
+
+``jit`` compiles the route in: changing the configuration later does not
+change an already compiled function (``jax.clear_caches()`` or a new ``jit``
+does).
+
+Transformations
+---------------
+``jax.grad``/``jax.vjp``/``jax.value_and_grad`` use the custom_vjp;
+``jax.jit`` compiles either route; ``jax.vmap`` batches the traced reference
+natively and loops a callback over the examples.  Forward mode (``jax.jvp``,
+``jax.jacfwd``, forward-over-reverse Hessians) raises JAX's "can't apply
+forward-mode autodiff (jvp) to a custom_vjp function".  Reverse-over-reverse
+(``grad`` of ``grad``) works on the traced route, where it differentiates the
+reference's backward code; a callback has no derivative, so on the callback
+route JAX raises "Pure callbacks do not support JVP".  float64 needs
+``jax.config.update("jax_enable_x64", True)``, as everywhere in JAX.
+
+Arguments
+---------
+Array arguments are JAX arrays (NumPy arrays are accepted and converted).
+Every other argument — shapes, axes, activation names, stride, padding, eps,
+momentum, flags — is static: a Python value fixed at trace time, never a
+traced value.  Arguments are validated when the call is traced, with
+portable_nn's messages (``ValueError``/``TypeError`` naming the argument).
+
+Gradients flow to the arguments of each op's ``vjp`` fields (``x``,
+``weight``, ``bias``, the RNN ``params``, states, ``logits``, a probability
+``target``).  Integer ``target`` of ``cross_entropy`` and the ``lengths`` of
+sequences get none; neither do running statistics, and class ``weight`` of
+``cross_entropy``: differentiating with respect to one of those raises
+``ValueError`` (wrap it in ``jax.lax.stop_gradient``).  The updated running
+statistics are returned functionally — JAX arrays are immutable, so
+``batch_norm``/``instance_norm`` need ``return_stats=True`` whenever they
+update running statistics, and return ``(y, new_running_mean,
+new_running_var)``; the new statistics carry no gradient.
+
+Values are checked where they can be read: integer class targets and
+``lengths`` given as concrete arrays are checked at trace time.  Under ``jit``
+a traced ``lengths`` works on the callback route only (it is read by the
+kernel at run time, and checked there); the traced reference needs concrete
+``lengths`` (close over a NumPy array or a tuple).  A traced integer target is
+range-checked inside the callback on the callback route and not at all on the
+traced route.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+try:
+    import jax
+    import jax.numpy as jnp
+    from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+except ImportError as exc:  # pragma: no cover - exercised only without JAX
+    raise ImportError("portable_nn.jax needs JAX: pip install jax") from exc
+
+from .. import config, dispatch
+from ..api import merge_moments
+from ..api._common import Prepared, spec_of
+from ..api.activations import ActivationLike
+
+__all__ = [
+    "Route",
+    "avg_pool",
+    "batch_norm",
+    "conv",
+    "cross_entropy",
+    "dense",
+    "explain",
+    "group_norm",
+    "gru",
+    "gru_cell",
+    "instance_norm",
+    "layer_norm",
+    "log_softmax",
+    "lstm",
+    "lstm_cell",
+    "max_pool",
+    "merge_moments",
+    "moments",
+    "reference_autodiff",
+    "rms_norm",
+    "rnn",
+    "rnn_cell",
+]
+
+CALLBACK = "callback"
+TRACED = "traced"
+
+#: Ops that ``auto`` runs through the host callback on the CPU: the recurrent sequences, whose
+#: compiled Numba time loop beats XLA's unrolled trace of the reference (see the module docstring).
+AUTO_CALLBACK_OPS = frozenset({"rnn", "lstm", "gru"})
+
+
+# --------------------------------------------------------------------------- signatures
+
+
+@dataclass(frozen=True)
+class _Signature:
+    """How a JAX op's arguments map onto the portable_nn op's.
+
+    ``positional`` names the portable_nn op's positional parameters in order
+    (array or static); every other argument is passed by keyword.
+    """
+
+    op: str
+    positional: tuple[str, ...]
+
+
+def _is_jax_array(value: Any) -> bool:
+    return isinstance(value, jax.Array)
+
+
+def _is_tracer(value: Any) -> bool:
+    return isinstance(value, jax.core.Tracer)
+
+
+def _as_jax_tree(value: Any) -> Any:
+    """NumPy leaves converted to JAX arrays; anything that is not an array is left for validation."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_as_jax_tree(v) for v in value)
+    if isinstance(value, np.ndarray):
+        return jnp.asarray(value)
+    return value
+
+
+def _array_leaves_valid(value: Any) -> bool:
+    """Whether every non-None leaf of a (nested list/tuple) argument is a JAX array."""
+    if value is None:
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_array_leaves_valid(v) for v in value)
+    return _is_jax_array(value)
+
+
+def _standin(leaf: Any) -> np.ndarray:
+    """A NumPy array validation can look at in place of ``leaf``.
+
+    Integer arrays whose values are known (class targets, lengths) are used as
+    they are, so their values are checked; everything else is a zero-stride
+    view of one zero (no memory), which has the right shape and dtype.
+    """
+    dtype = np.dtype(leaf.dtype)
+    if not _is_tracer(leaf) and np.issubdtype(dtype, np.integer):
+        return np.asarray(leaf)
+    return np.broadcast_to(np.zeros((), dtype=dtype), tuple(leaf.shape))
+
+
+def _steps(x: Any, static: Mapping[str, Any]) -> int:
+    """T, the padded sequence length of a sequence op's ``x`` (1 when x is malformed: validation reports it)."""
+    if not hasattr(x, "shape") or len(x.shape) != 3:
+        return 1
+    return int(x.shape[1] if static.get("batch_first") is True else x.shape[0])
+
+
+def _kernel_view(a: np.ndarray) -> np.ndarray:
+    """``a`` as a writable C-contiguous array: an alias of read-only memory, or a copy if strided."""
+    if a.flags.writeable:
+        return a
+    if not a.flags.c_contiguous or a.size == 0:
+        return np.array(a, order="C")
+    memory = (ctypes.c_char * a.nbytes).from_address(a.ctypes.data)
+    return np.frombuffer(memory, dtype=a.dtype).reshape(a.shape)
+
+
+def _detached(value: Any, inputs: list[np.ndarray]) -> Any:
+    """``value`` (an array, ``None`` or nested lists/tuples) with any array sharing memory with ``inputs`` copied."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(v, inputs) for v in value)
+    if any(np.may_share_memory(value, a) for a in inputs):
+        return np.array(value)
+    return value
+
+
+# --------------------------------------------------------------------------- plans
+
+
+@dataclass(frozen=True)
+class Route:
+    """How a JAX call of a portable_nn op runs (see the module docstring).
+
+    Attributes:
+        op: the op name.
+        kind: ``"callback"`` (portable_nn kernels on NumPy buffers through
+            ``jax.pure_callback``) or ``"traced"`` (the reference traced with
+            ``jax.numpy``, compiled by XLA).
+        backend: the portable_nn backend whose kernels run (``"numba"``,
+            ``"reference"`` …).
+        reason: why this route was taken.
+    """
+
+    op: str
+    kind: str
+    backend: str
+    reason: str
+
+    def __str__(self) -> str:
+        how = (
+            f"{self.backend} kernels on NumPy buffers through jax.pure_callback"
+            if self.kind == CALLBACK
+            else "the array-API reference traced with jax.numpy (compiled by XLA)"
+        )
+        return f"{self.op}: {self.kind} route: {how}; {self.reason}"
+
+
+def _choose_route(prepared: Prepared, op: str) -> Route:
+    """The route for a validated call (``prepared`` was built on NumPy stand-ins)."""
+    requested, source = config.get_backend(op)
+    if requested == "reference":
+        return Route(op, TRACED, "reference", f"backend 'reference' requested by {source}")
+    if requested == "auto" and jax.default_backend() != "cpu":
+        return Route(
+            op, TRACED, "reference",
+            f"JAX runs on {jax.default_backend()}: the reference compiles for that device (no host round trip)",
+        )
+    if requested == "auto" and op not in AUTO_CALLBACK_OPS:
+        return Route(
+            op, TRACED, "reference",
+            "auto: XLA fuses this op's traced reference as well as a kernel would, without a host round trip",
+        )
+    # Dispatch decides as for NumPy arrays of these shapes and dtypes; a forced backend that cannot
+    # take them raises BackendUnavailableError here, at trace time.
+    selection = dispatch.select(prepared.call, need_backward=True)
+    backend = selection.impl.backend
+    if backend == "reference":
+        passed = "; ".join(f"{b} {why}" for b, why in selection.passed_over) or "no kernel declared"
+        return Route(op, TRACED, "reference", f"no CPU kernel takes the call ({passed})")
+    return Route(op, CALLBACK, backend, f"backend {requested!r} (from {source}) runs {op}[{backend}] on the CPU")
+
+
+class _Plan:
+    """One traced call: validated arguments, the route, and how to run forward and backward.
+
+    Built at trace time from the call's static arguments and the shapes and
+    dtypes of its arrays.  ``arrays`` maps each array argument to a JAX array,
+    ``None`` or (for RNN ``params``) a list of tuples of them.
+    """
+
+    def __init__(self, sig: _Signature, arrays: dict[str, Any], static: dict[str, Any]) -> None:
+        self.sig = sig
+        self.spec = spec_of(sig.op)
+        self.static = static
+        self.treedef = jax.tree_util.tree_structure(arrays)
+        leaves = jax.tree_util.tree_leaves(arrays)
+        self.fields = tuple(sorted(arrays))  # the order in which JAX flattens a dict
+        self.leaf_fields = tuple(name for name in self.fields for _ in jax.tree_util.tree_leaves(arrays[name]))
+        #: Each field with its leaves replaced by their positions in the flat list.
+        self.templates = jax.tree_util.tree_unflatten(self.treedef, list(range(len(leaves))))
+        self.leaf_structs = tuple(jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in leaves)
+        self.standins = [_standin(v) for v in leaves]
+        if _is_tracer(arrays.get("lengths")):
+            # Traced lengths are checked at run time; validation at trace time sees full-length sequences.
+            k = self.leaf_fields.index("lengths")
+            self.standins[k] = np.full(self.standins[k].shape, _steps(arrays["x"], static), self.standins[k].dtype)
+        standin_arrays = jax.tree_util.tree_unflatten(self.treedef, self.standins)
+        self.prepared = self._prepare(standin_arrays)
+        self.grad_fields = frozenset(self.prepared.grad_fields)
+        self.n_diff = self.prepared.n_diff_outputs
+        self.route = _choose_route(self.prepared, sig.op)
+        if self.route.kind == TRACED and "lengths" in arrays:
+            raise TypeError(
+                f"{sig.op}: lengths is a traced value, but the traced reference reads the lengths at trace time; "
+                "pass concrete lengths (a NumPy array or tuple closed over, or a static argument), or run the "
+                "Numba kernels (callback route, JAX on the CPU) which read them at run time"
+            )
+        self._reference = next(i for i in dispatch.implementations(sig.op) if i.backend == "reference")
+
+    # ---- shared
+
+    def _prepare(self, arrays: dict[str, Any]) -> Prepared:
+        """Validate the call with portable_nn's own ``prepare`` on ``arrays`` (NumPy)."""
+        merged = {**self.static, **arrays}
+        args = [merged.pop(name) for name in self.sig.positional]
+        return self.spec.prepare(*args, **merged)
+
+    def needs(self, perturbed: Mapping[str, bool]) -> frozenset[str]:
+        """The gradient fields wanted, from which array arguments JAX differentiates."""
+        wanted = set()
+        for name, moving in perturbed.items():
+            if not moving:
+                continue
+            if name not in self.grad_fields:
+                raise ValueError(
+                    f"{self.sig.op}: {name} has no gradient in portable_nn (only "
+                    f"{', '.join(self.prepared.grad_fields)} do); wrap it in jax.lax.stop_gradient"
+                )
+            wanted.add(name)
+        return frozenset(wanted)
+
+    @functools.cached_property
+    def out_structs(self) -> tuple[Any, ...]:
+        """Shapes and dtypes of the implementation's outputs (``None`` where absent)."""
+        return jax.eval_shape(lambda leaves: self._traced_forward(leaves, save=False)[0], list(self.leaf_structs))
+
+    # ---- traced reference
+
+    def _reference_call(self, leaves: list[Any], save: bool) -> dispatch.Call:
+        """The prepared call with the stand-ins swapped for ``leaves`` and jax.numpy as namespace."""
+        by_id = {id(s): v for s, v in zip(self.standins, leaves)}
+        arrays = {}
+        for name, value in self.prepared.call.arrays.items():
+            if value is not None and id(value) not in by_id:  # pragma: no cover - a prepare that copies
+                raise RuntimeError(f"{self.sig.op}: argument {name} was transformed during validation")
+            arrays[name] = None if value is None else by_id[id(value)]
+        return self.prepared.call.replace(arrays=arrays, xp=jnp, family="jax", save=save)
+
+    def _traced_forward(self, leaves: list[Any], save: bool) -> tuple[tuple[Any, ...], Any]:
+        outputs, residuals = self._reference.forward_fn()(self._reference_call(leaves, save))
+        return tuple(outputs), residuals
+
+    def _traced_backward(self, leaves: list[Any], needs: frozenset[str], cts: list[Any]) -> dict[str, Any]:
+        outputs, residuals = self._traced_forward(leaves, save=True)
+        full = tuple(jnp.zeros_like(outputs[i]) if ct is None else ct for i, ct in enumerate(cts))
+        return self._reference.backward_fn()(residuals, full, needs, {})
+
+    # ---- host callback
+
+    def _host_run(self, leaves: list[np.ndarray], needs: frozenset[str] | None, cts: list[Any]) -> Any:
+        """Forward (``needs is None``) or gradients, on NumPy arrays, on the route's backend.
+
+        JAX hands a callback read-only views of its buffers.  Numba types a
+        read-only array as a type of its own, so every kernel would compile a
+        second time for them (and a kernel that types a write into an argument
+        slot fails to compile); the kernels never write their inputs (the
+        suite checks it), so they get writable aliases of the same memory: no
+        copy, no extra compilation.  Results that share memory with an input
+        are copied, so nothing returned to JAX points into its input buffers.
+        """
+        inputs = [_kernel_view(np.asarray(v)) for v in leaves]
+        arrays = jax.tree_util.tree_unflatten(self.treedef, inputs)
+        with config.use_backend(**{self.sig.op: self.route.backend}):
+            prepared = self._prepare(arrays)  # values (targets, traced lengths) are checked here
+            executed = dispatch.run(prepared.call, need_backward=needs is not None)
+            if needs is None:
+                return _detached(executed.outputs, inputs)
+            full = []
+            for i, ct in enumerate(cts):
+                full.append(np.zeros_like(executed.outputs[i]) if ct is None else _kernel_view(np.asarray(ct)))
+                inputs.append(full[-1])
+            return {name: _detached(g, inputs) for name, g in executed.backward(tuple(full), needs, {}).items()}
+
+    def _host_forward(self, leaves: list[Any]) -> tuple[Any, ...]:
+        structs = self.out_structs if any(_is_tracer(v) for v in leaves) else None
+        if structs is None:
+            outputs = self._host_run([np.asarray(v) for v in leaves], None, [])
+            return tuple(None if o is None else jnp.asarray(o) for o in outputs)
+        present = [i for i, s in enumerate(structs) if s is not None]
+
+        def callback(*host_leaves: np.ndarray) -> tuple[np.ndarray, ...]:
+            outputs = self._host_run(list(host_leaves), None, [])
+            return tuple(np.asarray(outputs[i], dtype=structs[i].dtype) for i in present)
+
+        results = jax.pure_callback(
+            callback, tuple(structs[i] for i in present), *leaves, vmap_method="sequential"
+        )
+        full: list[Any] = [None] * len(structs)
+        for i, r in zip(present, results):
+            full[i] = r
+        return tuple(full)
+
+    def _host_backward(self, leaves: list[Any], needs: frozenset[str], cts: list[Any]) -> list[Any]:
+        wanted = [k for k, f in enumerate(self.leaf_fields) if f in needs]
+        given = [i for i, ct in enumerate(cts) if ct is not None]
+
+        def host(host_leaves: list[Any], host_cts: list[Any]) -> list[np.ndarray]:
+            full_cts: list[Any] = [None] * len(cts)
+            for i, ct in zip(given, host_cts):
+                full_cts[i] = ct
+            grads = self._host_run(host_leaves, needs, full_cts)
+            flat = self._grad_leaves(grads, needs)
+            return [np.asarray(flat[k], dtype=self.leaf_structs[k].dtype) for k in wanted]
+
+        operands = [*leaves, *(cts[i] for i in given)]
+        if any(_is_tracer(v) for v in operands):
+            n = len(leaves)
+            results = jax.pure_callback(
+                lambda *ops: tuple(host(list(ops[:n]), list(ops[n:]))),
+                tuple(self.leaf_structs[k] for k in wanted),
+                *operands,
+                vmap_method="sequential",
+            )
+        else:
+            host_grads = host([np.asarray(v) for v in leaves], [np.asarray(cts[i]) for i in given])
+            results = [jnp.asarray(g) for g in host_grads]
+        flat: list[Any] = [None] * len(leaves)
+        for k, g in zip(wanted, results):
+            flat[k] = g
+        return flat
+
+    # ---- gradient trees
+
+    def _grad_leaves(self, grads: Mapping[str, Any], needs: frozenset[str]) -> list[Any]:
+        """The gradients (``{field: array or list of tuples}``) as one entry per leaf of the arrays tree."""
+        flat: list[Any] = []
+        for name in self.fields:
+            flat.extend(_aligned_leaves(self.templates[name], grads.get(name) if name in needs else None))
+        return flat
+
+    # ---- entry points used by the custom_vjp
+
+    def forward(self, leaves: list[Any]) -> tuple[Any, ...]:
+        """The implementation's outputs (``None`` where it has none, e.g. untracked running statistics)."""
+        if self.route.kind == TRACED:
+            return self._traced_forward(leaves, save=False)[0]
+        return self._host_forward(leaves)
+
+    def backward(self, leaves: list[Any], needs: frozenset[str], cts: list[Any]) -> list[Any]:
+        """Per leaf, its gradient (``None`` for leaves outside ``needs``)."""
+        if self.route.kind == TRACED:
+            return self._grad_leaves(self._traced_backward(leaves, needs, cts), needs)
+        return self._host_backward(leaves, needs, cts)
+
+
+def _aligned_leaves(template: Any, value: Any) -> Iterator[Any]:
+    """The entries of ``value`` at the leaf positions of ``template`` (a field with numbered leaves)."""
+    if template is None:
+        return
+    if isinstance(template, (list, tuple)):
+        for i, t in enumerate(template):
+            yield from _aligned_leaves(t, None if value is None else value[i])
+        return
+    yield value
+
+
+# --------------------------------------------------------------------------- the custom_vjp
+
+
+@jax.tree_util.register_pytree_node_class
+class _Saved:
+    """Residuals of the custom_vjp: the input arrays, and (static) the gradient fields wanted."""
+
+    def __init__(self, leaves: list[Any], needs: frozenset[str]) -> None:
+        self.leaves = leaves
+        self.needs = needs
+
+    def tree_flatten(self) -> tuple[tuple[Any, ...], frozenset[str]]:
+        return tuple(self.leaves), self.needs
+
+    @classmethod
+    def tree_unflatten(cls, needs: frozenset[str], children: tuple[Any, ...]) -> _Saved:
+        return cls(list(children), needs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _apply(plan: _Plan, leaves: list[Any]) -> tuple[Any, ...]:
+    return plan.forward(leaves)
+
+
+def _apply_fwd(plan: _Plan, leaves: list[Any]) -> tuple[tuple[Any, ...], _Saved]:
+    values = [p.value if isinstance(p, CustomVJPPrimal) else p for p in leaves]
+    perturbed: dict[str, bool] = {}
+    for field, p in zip(plan.leaf_fields, leaves):
+        moving = bool(getattr(p, "perturbed", False))
+        perturbed[field] = perturbed.get(field, False) or moving
+    needs = plan.needs(perturbed)
+    return plan.forward(values), _Saved(values, needs)
+
+
+def _apply_bwd(plan: _Plan, saved: _Saved, cts: tuple[Any, ...]) -> tuple[list[Any]]:
+    diff_cts = [None if ct is None or isinstance(ct, SymbolicZero) else ct for ct in cts[: plan.n_diff]]
+    zero = [None] * len(saved.leaves)
+    if not saved.needs or all(ct is None for ct in diff_cts):
+        return (zero,)
+    return (plan.backward(saved.leaves, saved.needs, diff_cts),)
+
+
+_apply.defvjp(_apply_fwd, _apply_bwd, symbolic_zeros=True)
+
+
+# --------------------------------------------------------------------------- calling an op
+
+
+def _collect(sig: _Signature, arrays: dict[str, Any], static: dict[str, Any]) -> tuple[_Plan, list[Any]]:
+    """Convert NumPy inputs, validate on stand-ins, choose the route."""
+    arrays = {name: _as_jax_tree(value) for name, value in arrays.items()}
+    bad = [name for name, value in arrays.items() if not _array_leaves_valid(value)]
+    if bad:
+        # Not JAX arrays: let portable_nn's own validation name the argument and the problem.
+        merged = {**static, **arrays}
+        args = [merged.pop(name) for name in sig.positional]
+        spec_of(sig.op).prepare(*args, **merged)
+        raise TypeError(f"{sig.op}: {bad[0]} must be a JAX array (or NumPy array)")
+    plan = _Plan(sig, arrays, static)
+    return plan, jax.tree_util.tree_leaves(arrays)
+
+
+def _run(sig: _Signature, arrays: dict[str, Any], static: dict[str, Any]) -> Any:
+    plan, leaves = _collect(sig, arrays, static)
+    return _finish(plan, _apply(plan, leaves), leaves)
+
+
+def _finish(plan: _Plan, outputs: tuple[Any, ...], leaves: list[Any]) -> Any:
+    """The caller's result from the implementation's outputs (as the portable_nn op returns it)."""
+    # Outputs past the differentiable ones (new running statistics) carry no gradient.
+    outputs = tuple(o if i < plan.n_diff or o is None else jax.lax.stop_gradient(o) for i, o in enumerate(outputs))
+    result = plan.prepared.finish(outputs)
+    # finish() returns the running statistics themselves when it did not update them: give back
+    # the caller's arrays, not the NumPy stand-ins validation saw.
+    originals = {id(s): v for s, v in zip(plan.standins, leaves)}
+    return _replace_standins(result, originals)
+
+
+def _replace_standins(value: Any, originals: Mapping[int, Any]) -> Any:
+    if isinstance(value, tuple):
+        return tuple(_replace_standins(v, originals) for v in value)
+    if isinstance(value, np.ndarray) and id(value) in originals:
+        return originals[id(value)]
+    return value
+
+
+def explain(op: Any, *args: Any, **kwargs: Any) -> Route:
+    """The :class:`Route` a call of a ``portable_nn.jax`` op would take (nothing is computed).
+
+    ``op`` is a ``portable_nn.jax`` function, a ``portable_nn`` op or the op's
+    name; the arguments are validated as the call would.
+    """
+    name = getattr(op, "_pnj_op", None) or spec_of(op).name
+    fn = _OPS[name]
+    captured: list[_Plan] = []
+    fn(*args, _capture=captured, **kwargs)
+    return captured[0][0].route
+
+
+def reference_autodiff(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """The call's result from the reference traced with ``jax.numpy``, *without* the custom_vjp.
+
+    JAX differentiates this version itself, through the reference forward, so
+    its gradients are an independent check of portable_nn's hand-written
+    backward (the tests compare the two).  Slower than the op; not for models.
+    """
+    name = getattr(op, "_pnj_op", None) or spec_of(op).name
+    captured: list[tuple[_Plan, list[Any]]] = []
+    _OPS[name](*args, _capture=captured, **kwargs)
+    plan, leaves = captured[0]
+    outputs = plan._traced_forward(leaves, save=False)[0]
+    return _finish(plan, outputs, leaves)
+
+
+_OPS: dict[str, Callable[..., Any]] = {}
+
+
+def _op(name: str, positional: tuple[str, ...]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register a JAX op: the decorated function returns ``(arrays, static)`` for its arguments."""
+    sig = _Signature(name, positional)
+
+    def wrap(split: Callable[..., tuple[dict[str, Any], dict[str, Any]]]) -> Callable[..., Any]:
+        @functools.wraps(split)
+        def op(*args: Any, _capture: list | None = None, **kwargs: Any) -> Any:
+            arrays, static = split(*args, **kwargs)
+            if _capture is not None:
+                _capture.append(_collect(sig, arrays, static))
+                return None
+            return _run(sig, arrays, static)
+
+        op._pnj_op = name  # type: ignore[attr-defined]
+        _OPS[name] = op
+        return op
+
+    return wrap
+
+
+def _stats_arrays(running_mean: Any, running_var: Any) -> dict[str, Any]:
+    return {"running_mean": running_mean, "running_var": running_var}
+
+
+def _require_return_stats(op: str, running_mean: Any, updates: Any, return_stats: Any) -> None:
+    """JAX arrays cannot be updated in place: updating running statistics needs ``return_stats=True``."""
+    if running_mean is not None and updates in (True, 1) and return_stats in (False, 0):
+        raise ValueError(
+            f"{op}: running_mean and running_var cannot be updated in place (JAX arrays are immutable); "
+            "pass return_stats=True to get (y, new_running_mean, new_running_var)"
+        )
+
+
+# --------------------------------------------------------------------------- norms
+
+
+@_op("moments", ("x", "axis"))
+def moments(
+    x: Any, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False, correction: float = 0
+) -> tuple[Any, Any]:
+    """Mean and variance of ``x`` over ``axis`` — :func:`portable_nn.moments` for JAX.
+
+    Returns ``(mean, var)``; differentiable in ``x``.  No CPU kernel exists, so
+    it always runs the traced reference.
+    """
+    return {"x": x}, {"axis": axis, "keepdims": keepdims, "correction": correction}
+
+
+@_op("batch_norm", ("x", "weight", "bias"))
+def batch_norm(
+    x: Any,
+    weight: Any = None,
+    bias: Any = None,
+    *,
+    running_mean: Any = None,
+    running_var: Any = None,
+    training: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    channel_axis: int = 1,
+    activation: ActivationLike = "identity",
+    return_stats: bool = False,
+) -> Any:
+    """Batch normalisation with a fused activation — :func:`portable_nn.batch_norm` for JAX.
+
+    Training with running statistics needs ``return_stats=True`` and returns
+    ``(y, new_running_mean, new_running_var)``; the new statistics carry no
+    gradient.  Gradients: ``x``, ``weight``, ``bias``.
+    """
+    _require_return_stats("batch_norm", running_mean, training, return_stats)
+    arrays = {"x": x, "weight": weight, "bias": bias, **_stats_arrays(running_mean, running_var)}
+    static = {"training": training, "momentum": momentum, "eps": eps, "channel_axis": channel_axis,
+              "activation": activation, "return_stats": return_stats}
+    return arrays, static
+
+
+@_op("layer_norm", ("x", "weight", "bias"))
+def layer_norm(
+    x: Any,
+    weight: Any = None,
+    bias: Any = None,
+    *,
+    axis: int | tuple[int, ...] = -1,
+    eps: float = 1e-5,
+    activation: ActivationLike = "identity",
+) -> Any:
+    """Layer normalisation with a fused activation — :func:`portable_nn.layer_norm` for JAX.
+
+    Gradients: ``x``, ``weight``, ``bias``.
+    """
+    return {"x": x, "weight": weight, "bias": bias}, {"axis": axis, "eps": eps, "activation": activation}
+
+
+@_op("group_norm", ("x", "num_groups", "weight", "bias"))
+def group_norm(
+    x: Any,
+    num_groups: int,
+    weight: Any = None,
+    bias: Any = None,
+    *,
+    eps: float = 1e-5,
+    channel_axis: int = 1,
+    activation: ActivationLike = "identity",
+) -> Any:
+    """Group normalisation with a fused activation — :func:`portable_nn.group_norm` for JAX.
+
+    ``num_groups`` is static.  Gradients: ``x``, ``weight``, ``bias``.
+    """
+    static = {"num_groups": num_groups, "eps": eps, "channel_axis": channel_axis, "activation": activation}
+    return {"x": x, "weight": weight, "bias": bias}, static
+
+
+@_op("instance_norm", ("x", "weight", "bias"))
+def instance_norm(
+    x: Any,
+    weight: Any = None,
+    bias: Any = None,
+    *,
+    running_mean: Any = None,
+    running_var: Any = None,
+    use_input_stats: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    channel_axis: int = 1,
+    activation: ActivationLike = "identity",
+    return_stats: bool = False,
+) -> Any:
+    """Instance normalisation with a fused activation — :func:`portable_nn.instance_norm` for JAX.
+
+    Updating running statistics needs ``return_stats=True`` and returns
+    ``(y, new_running_mean, new_running_var)``.  Gradients: ``x``, ``weight``, ``bias``.
+    """
+    _require_return_stats("instance_norm", running_mean, use_input_stats, return_stats)
+    arrays = {"x": x, "weight": weight, "bias": bias, **_stats_arrays(running_mean, running_var)}
+    static = {"use_input_stats": use_input_stats, "momentum": momentum, "eps": eps,
+              "channel_axis": channel_axis, "activation": activation, "return_stats": return_stats}
+    return arrays, static
+
+
+@_op("rms_norm", ("x", "weight"))
+def rms_norm(x: Any, weight: Any = None, *, axis: int | tuple[int, ...] = -1, eps: float = 1e-6) -> Any:
+    """Root-mean-square normalisation — :func:`portable_nn.rms_norm` for JAX.
+
+    Gradients: ``x``, ``weight``.
+    """
+    return {"x": x, "weight": weight}, {"axis": axis, "eps": eps}
+
+
+# --------------------------------------------------------------------------- recurrent
+
+
+_CELL_POSITIONAL = ("x", "h", "w_ih", "w_hh", "b_ih", "b_hh")
+
+
+@_op("rnn_cell", _CELL_POSITIONAL)
+def rnn_cell(
+    x: Any, h: Any, w_ih: Any, w_hh: Any, b_ih: Any = None, b_hh: Any = None, *, activation: ActivationLike = "tanh"
+) -> Any:
+    """One Elman RNN step — :func:`portable_nn.rnn_cell` for JAX.
+
+    Gradients: every array argument.
+    """
+    return {"x": x, "h": h, "w_ih": w_ih, "w_hh": w_hh, "b_ih": b_ih, "b_hh": b_hh}, {"activation": activation}
+
+
+@_op("lstm_cell", ("x", "h", "c", "w_ih", "w_hh", "b_ih", "b_hh"))
+def lstm_cell(x: Any, h: Any, c: Any, w_ih: Any, w_hh: Any, b_ih: Any = None, b_hh: Any = None) -> tuple[Any, Any]:
+    """One LSTM step, returning ``(h', c')`` — :func:`portable_nn.lstm_cell` for JAX.
+
+    Gradients: every array argument.
+    """
+    return {"x": x, "h": h, "c": c, "w_ih": w_ih, "w_hh": w_hh, "b_ih": b_ih, "b_hh": b_hh}, {}
+
+
+@_op("gru_cell", _CELL_POSITIONAL)
+def gru_cell(
+    x: Any, h: Any, w_ih: Any, w_hh: Any, b_ih: Any = None, b_hh: Any = None, *, reset_after: bool = True
+) -> Any:
+    """One GRU step — :func:`portable_nn.gru_cell` for JAX.
+
+    Gradients: every array argument.
+    """
+    return {"x": x, "h": h, "w_ih": w_ih, "w_hh": w_hh, "b_ih": b_ih, "b_hh": b_hh}, {"reset_after": reset_after}
+
+
+def _sequence_arrays(x: Any, params: Any, states: dict[str, Any], lengths: Any) -> tuple[dict, dict]:
+    """Array and static parts of a sequence call; concrete ``lengths`` become static."""
+    arrays = {"x": x, "params": _params_tree(params), **states}
+    static: dict[str, Any] = {}
+    if _is_tracer(lengths):
+        arrays["lengths"] = lengths
+    else:
+        static["lengths"] = np.asarray(lengths) if _is_jax_array(lengths) else lengths
+    return arrays, static
+
+
+def _params_tree(params: Any) -> Any:
+    """``params`` as a list of tuples (JAX pytrees); anything else is left for validation."""
+    if isinstance(params, (list, tuple)) and all(isinstance(p, (list, tuple)) for p in params):
+        return [tuple(p) for p in params]
+    return params
+
+
+@_op("rnn", ("x", "params", "h0"))
+def rnn(
+    x: Any,
+    params: Any,
+    h0: Any = None,
+    *,
+    activation: ActivationLike = "tanh",
+    batch_first: bool = False,
+    bidirectional: bool = False,
+    lengths: Any = None,
+) -> tuple[Any, Any]:
+    """A stacked (bidirectional) Elman RNN over sequences — :func:`portable_nn.rnn` for JAX.
+
+    Returns ``(outputs, h_n)``.  Gradients: ``x``, ``params`` (a list of
+    4-tuples like ``params``), ``h0``; ``lengths`` gets none.
+    """
+    arrays, static = _sequence_arrays(x, params, {"h0": h0}, lengths)
+    static.update(activation=activation, batch_first=batch_first, bidirectional=bidirectional)
+    return arrays, static
+
+
+@_op("lstm", ("x", "params", "h0", "c0"))
+def lstm(
+    x: Any,
+    params: Any,
+    h0: Any = None,
+    c0: Any = None,
+    *,
+    batch_first: bool = False,
+    bidirectional: bool = False,
+    lengths: Any = None,
+) -> tuple[Any, tuple[Any, Any]]:
+    """A stacked (bidirectional) LSTM over sequences — :func:`portable_nn.lstm` for JAX.
+
+    Returns ``(outputs, (h_n, c_n))``.  Gradients: ``x``, ``params``, ``h0``,
+    ``c0``; ``lengths`` gets none.
+    """
+    arrays, static = _sequence_arrays(x, params, {"h0": h0, "c0": c0}, lengths)
+    static.update(batch_first=batch_first, bidirectional=bidirectional)
+    return arrays, static
+
+
+@_op("gru", ("x", "params", "h0"))
+def gru(
+    x: Any,
+    params: Any,
+    h0: Any = None,
+    *,
+    reset_after: bool = True,
+    batch_first: bool = False,
+    bidirectional: bool = False,
+    lengths: Any = None,
+) -> tuple[Any, Any]:
+    """A stacked (bidirectional) GRU over sequences — :func:`portable_nn.gru` for JAX.
+
+    Returns ``(outputs, h_n)``.  Gradients: ``x``, ``params``, ``h0``;
+    ``lengths`` gets none.
+    """
+    arrays, static = _sequence_arrays(x, params, {"h0": h0}, lengths)
+    static.update(reset_after=reset_after, batch_first=batch_first, bidirectional=bidirectional)
+    return arrays, static
+
+
+# --------------------------------------------------------------------------- conv, dense, pooling, losses
+
+
+@_op("conv", ("x", "weight", "bias"))
+def conv(
+    x: Any,
+    weight: Any,
+    bias: Any = None,
+    *,
+    stride: Any = 1,
+    padding: Any = 0,
+    dilation: Any = 1,
+    groups: int = 1,
+    activation: ActivationLike = "identity",
+    channel_axis: int = 1,
+) -> Any:
+    """1-D to 3-D convolution with fused bias and activation — :func:`portable_nn.conv` for JAX.
+
+    Gradients: ``x``, ``weight``, ``bias``.
+    """
+    static = {"stride": stride, "padding": padding, "dilation": dilation, "groups": groups,
+              "activation": activation, "channel_axis": channel_axis}
+    return {"x": x, "weight": weight, "bias": bias}, static
+
+
+@_op("dense", ("x", "weight", "bias"))
+def dense(x: Any, weight: Any, bias: Any = None, *, activation: ActivationLike = "identity") -> Any:
+    """act(x @ weightᵀ + bias) — :func:`portable_nn.dense` for JAX.
+
+    Gradients: ``x``, ``weight``, ``bias``.
+    """
+    return {"x": x, "weight": weight, "bias": bias}, {"activation": activation}
+
+
+@_op("max_pool", ("x", "window"))
+def max_pool(
+    x: Any,
+    window: Any,
+    *,
+    stride: Any = None,
+    padding: Any = 0,
+    dilation: Any = 1,
+    ceil_mode: bool = False,
+    channel_axis: int = 1,
+) -> Any:
+    """Max pooling — :func:`portable_nn.max_pool` for JAX (gradient to each window's first maximum)."""
+    static = {"window": window, "stride": stride, "padding": padding, "dilation": dilation,
+              "ceil_mode": ceil_mode, "channel_axis": channel_axis}
+    return {"x": x}, static
+
+
+@_op("avg_pool", ("x", "window"))
+def avg_pool(
+    x: Any,
+    window: Any,
+    *,
+    stride: Any = None,
+    padding: Any = 0,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    channel_axis: int = 1,
+) -> Any:
+    """Average pooling — :func:`portable_nn.avg_pool` for JAX."""
+    static = {"window": window, "stride": stride, "padding": padding, "ceil_mode": ceil_mode,
+              "count_include_pad": count_include_pad, "channel_axis": channel_axis}
+    return {"x": x}, static
+
+
+@_op("log_softmax", ("x",))
+def log_softmax(x: Any, *, axis: int = -1) -> Any:
+    """Max-shifted log-softmax along ``axis`` — :func:`portable_nn.log_softmax` for JAX."""
+    return {"x": x}, {"axis": axis}
+
+
+@_op("cross_entropy", ("logits", "target"))
+def cross_entropy(
+    logits: Any,
+    target: Any,
+    *,
+    axis: int = 1,
+    weight: Any = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+) -> Any:
+    """Softmax cross-entropy with PyTorch's semantics — :func:`portable_nn.cross_entropy` for JAX.
+
+    Gradients: ``logits``, and ``target`` when it holds class probabilities;
+    integer targets and the class ``weight`` get none.
+    """
+    static = {"axis": axis, "ignore_index": ignore_index, "label_smoothing": label_smoothing, "reduction": reduction}
+    return {"logits": logits, "target": target, "weight": weight}, static
+
+
