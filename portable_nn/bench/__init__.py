@@ -310,21 +310,29 @@ def format_report(report: Report) -> str:
 
 
 def _plot(report: Report, path: str) -> None:
+    """Horizontal bars: each workload's fwd+bwd speed vs PyTorch, one bar per backend (log scale)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [r for r in report.rows if r.contender != "torch" and r.ratio_vs_torch and r.phase == "fwd+bwd"]
-    labels = [f"{r.workload}\n{r.contender}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.9), 4))
-    ax.bar(range(len(rows)), [r.ratio_vs_torch for r in rows])
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("speed vs PyTorch (x, higher is faster)")
-    ax.set_yscale("log")
+    workloads = list(dict.fromkeys(r.workload for r in rows))
+    backends = list(dict.fromkeys(r.contender for r in rows))
+    height = 0.8 / max(len(backends), 1)
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(workloads) + 1.2))
+    for k, backend in enumerate(backends):
+        ratio = {r.workload: r.ratio_vs_torch for r in rows if r.contender == backend}
+        ys = [i + k * height for i, w in enumerate(workloads) if w in ratio]
+        ax.barh(ys, [ratio[w] for w in workloads if w in ratio], height=height, label=backend)
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_yticks([i + 0.4 - height / 2 for i in range(len(workloads))], workloads, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("fwd+bwd speed vs PyTorch (x, > 1 is faster)")
+    ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 def main(args: Any) -> int:
