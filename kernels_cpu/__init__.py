@@ -12,6 +12,7 @@ Ops without a declaration here run on the array-API reference under ``auto``
 from __future__ import annotations
 
 from portable_nn.dispatch import Support, register_builtin
+from portable_nn.kernel_checks import int32_pool_positions, int64_ignore_index
 
 #: What every NumPy-native CPU kernel takes: NumPy arrays and CPU torch tensors
 #: (zero-copy views), float32/float64, C-contiguous (strided input is copied,
@@ -73,14 +74,6 @@ register_builtin(
 )
 
 
-def _pool_check(call):
-    """The argmax is kept as an int32 flat position within a plane."""
-    positions = 1
-    for size in call.in_size:
-        positions *= size
-    return None if positions < 2**31 else "keeps int32 argmax positions: planes of 2**31 positions or more"
-
-
 for _op in ("max_pool", "avg_pool"):
     register_builtin(
         _op,
@@ -89,18 +82,12 @@ for _op in ("max_pool", "avg_pool"):
         backward="kernels_cpu.pool:pool_backward",
         supports=Support(
             layouts=("channels_first", "channels_last"),
-            check=_pool_check,
+            check=int32_pool_positions,
             description="1-3-D, batched or not, every stride/padding/dilation/ceil_mode",
             **CPU_SUPPORT,
         ),
         priority=NUMBA_PRIORITY,
     )
-
-
-def _loss_check(call):
-    """ignore_index travels as an int64."""
-    ignore = call.params.get("ignore_index", 0)
-    return None if -(2**63) <= ignore < 2**63 else f"takes an int64 ignore_index, not {ignore}"
 
 
 for _op in ("log_softmax", "cross_entropy"):
@@ -110,7 +97,7 @@ for _op in ("log_softmax", "cross_entropy"):
         forward=f"kernels_cpu.loss:{_op}_forward",
         backward=f"kernels_cpu.loss:{_op}_backward",
         supports=Support(
-            check=_loss_check,
+            check=int64_ignore_index,
             description="any class axis; integer or probability targets, weights, ignore_index, smoothing",
             **CPU_SUPPORT,
         ),

@@ -10,6 +10,7 @@ tensors (bfloat16 as ``uint16`` bits) and runs them on torch's current stream.
 from __future__ import annotations
 
 from portable_nn.dispatch import Support, register_builtin
+from portable_nn.kernel_checks import int32_pool_positions, int64_ignore_index
 
 #: What every CUDA C kernel takes: CuPy arrays and CUDA torch tensors, C-contiguous (strided
 #: input is copied, and ``explain`` reports the copy).
@@ -20,14 +21,6 @@ GPU_SUPPORT = dict(
     native="cupy",
 )
 CUPY_PRIORITY = 4
-
-
-def _pool_check(call):
-    """max_pool keeps int32 argmax positions within a plane."""
-    positions = 1
-    for size in call.in_size:
-        positions *= size
-    return None if positions < 2**31 else "keeps int32 argmax positions: planes of 2**31 positions or more"
 
 
 for _op in ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm"):
@@ -56,17 +49,12 @@ for _op in ("max_pool", "avg_pool"):
         supports=Support(
             dtypes=("float32", "float64", "float16", "bfloat16"),
             layouts=("channels_first", "channels_last"),
-            check=_pool_check,
+            check=int32_pool_positions,
             description="1-3-D, batched or not, every stride/padding/dilation/ceil_mode; gather backward",
             **GPU_SUPPORT,
         ),
         priority=CUPY_PRIORITY,
     )
-
-def _loss_check(call):
-    """ignore_index travels as a long long."""
-    ignore = call.params.get("ignore_index", 0)
-    return None if -(2**63) <= ignore < 2**63 else f"takes an int64 ignore_index, not {ignore}"
 
 
 for _op in ("log_softmax", "cross_entropy"):
@@ -77,7 +65,7 @@ for _op in ("log_softmax", "cross_entropy"):
         backward=f"kernels_gpu.cuda_c.loss:{_op}_backward",
         supports=Support(
             dtypes=("float32", "float64", "float16", "bfloat16"),
-            check=_loss_check if _op == "cross_entropy" else None,
+            check=int64_ignore_index if _op == "cross_entropy" else None,
             description="any class axis; integer or probability targets, weights, ignore_index, smoothing",
             **GPU_SUPPORT,
         ),

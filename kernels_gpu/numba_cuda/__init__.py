@@ -13,6 +13,7 @@ Ops without a declaration here run on another backend under ``auto`` and raise
 from __future__ import annotations
 
 from portable_nn.dispatch import Support, register_builtin
+from portable_nn.kernel_checks import int32_pool_positions, int64_ignore_index
 
 #: What every Numba-CUDA kernel takes: CuPy arrays (and CUDA torch tensors, as zero-copy CuPy
 #: views), C-contiguous (strided input is copied, and ``explain`` reports the copy).
@@ -55,14 +56,6 @@ register_builtin(
 )
 
 
-def _pool_check(call):
-    """Argmax positions are kept as int32 within a plane."""
-    positions = 1
-    for size in call.in_size:
-        positions *= size
-    return None if positions < 2**31 else "keeps int32 argmax positions: planes of 2**31 positions or more"
-
-
 for _op in ("max_pool", "avg_pool"):
     register_builtin(
         _op,
@@ -72,18 +65,12 @@ for _op in ("max_pool", "avg_pool"):
         supports=Support(
             dtypes=("float16", "bfloat16", "float32", "float64"),
             layouts=("channels_first", "channels_last"),
-            check=_pool_check,
+            check=int32_pool_positions,
             description="1-3-D, batched or not, every stride/padding/dilation/ceil_mode; gather backward",
             **GPU_SUPPORT,
         ),
         priority=NUMBA_CUDA_PRIORITY,
     )
-
-
-def _loss_check(call):
-    """ignore_index travels as an int64."""
-    ignore = call.params.get("ignore_index", 0)
-    return None if -(2**63) <= ignore < 2**63 else f"takes an int64 ignore_index, not {ignore}"
 
 
 register_builtin(
@@ -94,7 +81,7 @@ register_builtin(
     supports=Support(
         dtypes=("float16", "bfloat16", "float32", "float64"),
         mixed_precision=True,
-        check=_loss_check,
+        check=int64_ignore_index,
         description="any class axis; integer or probability targets, weights, ignore_index, smoothing; "
                     "deterministic two-pass reductions",
         **GPU_SUPPORT,
