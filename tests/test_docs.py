@@ -205,7 +205,7 @@ def tutorial_pages() -> list[Path]:
 @contextlib.contextmanager
 def isolated_state(tmp_path: Path):
     """Whatever a tutorial changes in the process (backend, fallback, kernels, print options, torch's
-    random state) is undone.
+    random state, JAX's ``jax_enable_x64``) is undone.
 
     Numba's thread count is deliberately not saved: asking Numba for it starts its thread pool,
     which would fix the threading layer before portable_nn chooses one.
@@ -213,6 +213,7 @@ def isolated_state(tmp_path: Path):
     env_backend = os.environ.pop("PORTABLE_NN_BACKEND", None)
     numpy_options = np.get_printoptions()
     torch_rng = sys.modules["torch"].random.get_rng_state() if "torch" in sys.modules else None
+    jax_x64 = _jax_x64()
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
@@ -235,6 +236,16 @@ def isolated_state(tmp_path: Path):
         os.environ.pop("PORTABLE_NN_BACKEND", None)
         if env_backend is not None:
             os.environ["PORTABLE_NN_BACKEND"] = env_backend
+        if "jax" in sys.modules:
+            # Also when the page imported JAX itself: back to the default JAX starts with.
+            sys.modules["jax"].config.update("jax_enable_x64", jax_x64)
+
+
+def _jax_x64() -> bool:
+    """JAX's ``jax_enable_x64`` now, without importing JAX (its default, from the environment, if not loaded)."""
+    if "jax" in sys.modules:
+        return bool(sys.modules["jax"].config.jax_enable_x64)
+    return os.environ.get("JAX_ENABLE_X64", "").lower() in ("1", "t", "true", "y", "yes", "on")
 
 
 # --------------------------------------------------------------------------- the tutorials
