@@ -30,3 +30,11 @@ def store(out: dict[str, Any] | None, name: str, value: Any) -> Any:
         return value
     buffer[...] = value
     return buffer
+
+
+def index_dtype(xp: Any) -> Any:
+    """The namespace's default integer dtype for indices (int64, or int32 for 32-bit JAX)."""
+    try:
+        return xp.__array_namespace_info__().default_dtypes()["indexing"]
+    except (AttributeError, KeyError, TypeError):
+        return xp.int64

@@ -26,7 +26,7 @@ import math
 from typing import Any
 
 from ..dispatch import Call
-from ._common import compute_dtype, device, store
+from ._common import compute_dtype, device, index_dtype, store
 
 __all__ = ["cross_entropy_backward", "cross_entropy_forward", "log_softmax_backward", "log_softmax_forward"]
 
@@ -98,10 +98,10 @@ class _Targets:
                 t = t * (1.0 - self.eps) + self.eps / classes
             self.t = t
         else:
-            target = xp.astype(call.target, xp.int64)
+            target = xp.astype(call.target, index_dtype(xp))
             expanded = xp.expand_dims(target, axis=axis)
             self.valid = expanded != call.ignore_index  # keeps the class axis (size 1)
-            cls = xp.reshape(xp.arange(classes, dtype=xp.int64, device=self.device), self.bshape)
+            cls = xp.reshape(xp.arange(classes, dtype=target.dtype, device=self.device), self.bshape)
             self.onehot = xp.logical_and(cls == expanded, self.valid)
 
     def picked_weight(self) -> Any:

@@ -49,7 +49,7 @@ from typing import Any
 from .. import _arrays
 from ..dispatch import Call
 from . import activations
-from ._common import compute_dtype, device
+from ._common import compute_dtype, device, index_dtype
 
 __all__ = [
     "gru_backward",
@@ -502,8 +502,8 @@ def _mask(xp: Any, call: Call, steps: int, n: int, device: Any) -> Any:
     """``(T, N, 1)`` booleans: step t is inside sequence b (``None`` without lengths)."""
     if call.lengths is None:
         return None
-    lengths = xp.asarray(call.lengths, dtype=xp.int64, device=device)
-    t = xp.arange(steps, dtype=xp.int64, device=device)
+    lengths = xp.asarray(call.lengths, dtype=index_dtype(xp), device=device)
+    t = xp.arange(steps, dtype=lengths.dtype, device=device)
     return xp.reshape(t, (steps, 1, 1)) < xp.reshape(lengths, (1, n, 1))
 
 
