@@ -114,15 +114,6 @@ def _parse_junit(path: Path) -> dict[str, Any]:
     return {**totals, "failed": failed}
 
 
-def _progress(done: int, total: int, label: str) -> None:
-    width = 30
-    filled = int(width * done / max(total, 1))
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label[:44]:44s}")
-    sys.stderr.flush()
-    if done == total:
-        sys.stderr.write("\n")
-
-
 def preference_from(report: Any) -> dict[str, str]:
     """Per op, the GPU backend with the lower fwd+bwd time on its single-op float32 workloads."""
     from .bench.gpu import GPU_BACKENDS
@@ -211,11 +202,12 @@ def main(args: argparse.Namespace) -> int:
               f"{tests.get('errors', '?')} errors in {tests.get('seconds', 0):.0f} s", flush=True)
     report = preference = None
     if not args.skip_bench:
+        from .bench import progress_bar
         from .bench.gpu import run_gpu_suite
 
         print("benchmarking against PyTorch CUDA …", flush=True)
         os.environ.setdefault("CUPY_CACHE_SAVE_CUDA_SOURCE", "0")
-        report = run_gpu_suite(args.quick, progress=_progress)
+        report = run_gpu_suite(args.quick, progress=progress_bar)
         preference = preference_from(report)
         if args.save_preference and preference:
             path = dispatch.save_gpu_preference(preference, report.environment.get("device", "?"))

@@ -169,3 +169,15 @@ def test_capability_notes_name_the_cuda_bridge():
     gpu_rows = [r for r in rows if r["backend"] in ("cupy", "numba_cuda")]
     for r in gpu_rows:
         assert "torch CUDA tensors zero-copy" in r["notes"], r
+
+
+def test_gpu_timing_waits_for_the_device_around_every_burst():
+    """The GPU suite's timer is the CPU one with a device synchronisation ending each sample."""
+    from portable_nn.bench import time_interleaved
+
+    events = []
+    timed = time_interleaved({"a": lambda: events.append("call")}, 3, settle_s=0.0, burst_s=0.0,
+                             wait=lambda: events.append("wait"))
+    assert set(timed) == {"a"} and timed["a"] >= 0
+    # warm-up, calibration, then three bursts of one call, each between two waits
+    assert events == ["call", "wait", "call", "wait"] + ["wait", "call", "wait"] * 3

@@ -118,7 +118,8 @@ def _copy_bandwidth(quick: bool) -> float:
     return 2 * src.nbytes / statistics.median(times) / 1e9
 
 
-def _progress(done: int, total: int, label: str) -> None:
+def progress_bar(done: int, total: int, label: str) -> None:
+    """A one-line progress bar on stderr, redrawn in place."""
     width = 30
     filled = int(width * done / max(total, 1))
     sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label[:40]:40s}")
@@ -138,26 +139,41 @@ SETTLE_S = 0.02
 BURST_S = 0.02
 
 
-def _burst_length(fn: Callable[[], Any]) -> int:
-    """How many back-to-back calls of ``fn`` last about :data:`BURST_S` (1 for slow calls)."""
+def _nothing() -> None:
+    return None
+
+
+def _burst_length(fn: Callable[[], Any], burst_s: float, wait: Callable[[], Any]) -> int:
+    """How many back-to-back calls of ``fn`` (then ``wait()``) last about ``burst_s`` (1 for slow calls)."""
     t = time.perf_counter()
     fn()
+    wait()
     once = max(time.perf_counter() - t, 1e-7)
-    return max(1, min(200, round(BURST_S / once)))
+    return max(1, min(200, round(burst_s / once)))
 
 
-def _time_interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Median seconds per call of each function, run round-robin after one warm-up call each."""
+def time_interleaved(fns: dict[str, Callable[[], Any]], repeats: int, *, settle_s: float = SETTLE_S,
+                     burst_s: float = BURST_S, wait: Callable[[], Any] = _nothing) -> dict[str, float]:
+    """Median seconds per call of each function, run round-robin after one warm-up call each.
+
+    A sample is a burst of back-to-back calls lasting about ``burst_s``, after a ``settle_s``
+    pause; ``wait`` ends every sample (the GPU suite passes a device synchronisation, so a
+    burst's launches are timed to completion).
+    """
     for fn in fns.values():
         fn()
-    bursts = {name: _burst_length(fn) for name, fn in fns.items()}
+    wait()
+    bursts = {name: _burst_length(fn, burst_s, wait) for name, fn in fns.items()}
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            time.sleep(SETTLE_S)
+            if settle_s:
+                time.sleep(settle_s)
+            wait()
             t = time.perf_counter()
             for _ in range(bursts[name]):
                 fn()
+            wait()
             samples[name].append((time.perf_counter() - t) / bursts[name])
     return {k: statistics.median(v) for k, v in samples.items()}
 
@@ -193,7 +209,7 @@ def run_suite(ops: list[str] | None = None, quick: bool = False, progress: bool 
     total = len(selected)
     for n, workload in enumerate(selected):
         if progress:
-            _progress(n, total, workload.name)
+            progress_bar(n, total, workload.name)
         cases = workload.build(quick)
         fns: dict[tuple[str, str], Callable[[], Any]] = {}
         for backend in _contenders(workload):
@@ -202,7 +218,7 @@ def run_suite(ops: list[str] | None = None, quick: bool = False, progress: bool 
         if cases.torch is not None:
             for phase, fn in cases.torch().items():
                 fns[("torch", phase)] = fn
-        timed = _time_interleaved({f"{b}|{p}": fn for (b, p), fn in fns.items()}, repeats)
+        timed = time_interleaved({f"{b}|{p}": fn for (b, p), fn in fns.items()}, repeats)
         for key, seconds in timed.items():
             contender, phase = key.split("|")
             moved = cases.bytes_moved.get(phase, 0)
@@ -218,7 +234,7 @@ def run_suite(ops: list[str] | None = None, quick: bool = False, progress: bool 
                 row.fraction_of_copy = row.gbps / report.copy_gbps
             report.rows.append(row)
     if progress:
-        _progress(total, total, "done")
+        progress_bar(total, total, "done")
     report.first_call = _first_call_latency(selected, quick or not cold)
     return report
 

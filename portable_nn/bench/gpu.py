@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import functools
 import platform
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 from .. import dispatch
-from . import Report, Row
+from . import Report, Row, time_interleaved
 from .workloads import WORKLOADS, Placement, Workload, _norm_workload
 
 __all__ = ["GPU_BACKENDS", "GPU_WORKLOADS", "gpu_contenders", "run_gpu_suite"]
@@ -37,7 +35,7 @@ GPU_WORKLOADS: list[tuple[str, Workload]] = [
     for dtype in ("float32", "float16", "bfloat16")
 ]
 
-#: Target length of one timing sample.
+#: Target length of one timing sample (no settle pause: GPU work does not spin CPU threads).
 SAMPLE_S = 0.005
 
 
@@ -68,30 +66,9 @@ def _synchronize() -> None:
     torch.cuda.synchronize()
 
 
-def _calibrate(fn: Callable[[], Any]) -> int:
-    """How many back-to-back calls make one sample of about :data:`SAMPLE_S`."""
-    fn()
-    _synchronize()
-    t = time.perf_counter()
-    fn()
-    _synchronize()
-    once = max(time.perf_counter() - t, 1e-6)
-    return max(1, min(200, int(SAMPLE_S / once)))
-
-
 def _time_gpu(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
     """Median seconds per call of each function, interleaved, device-synchronised per sample."""
-    inner = {name: _calibrate(fn) for name, fn in fns.items()}
-    samples: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            _synchronize()
-            t = time.perf_counter()
-            for _ in range(inner[name]):
-                fn()
-            _synchronize()
-            samples[name].append((time.perf_counter() - t) / inner[name])
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return time_interleaved(fns, repeats, settle_s=0.0, burst_s=SAMPLE_S, wait=_synchronize)
 
 
 def cuda_copy_bandwidth(quick: bool = False) -> float:
