@@ -99,6 +99,77 @@ def drop_stale_cache(py_file: str) -> bool:
 drop_stale_cache(__file__)
 
 
+# --------------------------------------------------------------------------- BLAS bindings without scipy.linalg
+#
+# Numba binds ``np.dot`` to SciPy's BLAS through ``scipy.linalg.cython_blas``, and checks for
+# it while loading its typing registries, i.e. before the first kernel runs or loads from the
+# cache.  ``import scipy.linalg.cython_blas`` first runs ``scipy.linalg/__init__``, which
+# imports all of scipy.linalg (and SciPy's copy of array-api-compat): 0.1-0.25 s of a
+# process's first call, for an extension module that loads alone in ~4 ms.  So the extension
+# is loaded alone, once, when nothing has imported scipy.linalg yet.  Importing scipy.linalg
+# later works as usual: it finds the loaded extension in ``sys.modules``, and a one-shot finder
+# makes it the package's ``cython_blas`` attribute, as a normal import would have.
+
+_BLAS_MODULE = "scipy.linalg.cython_blas"
+
+
+class _AttachBlasModule:
+    """Meta-path finder: when ``scipy.linalg`` is imported, set its ``cython_blas`` attribute."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def find_spec(self, name, path, target=None):
+        if self.done or name != "scipy.linalg":
+            return None
+        self.done = True
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            if _BLAS_MODULE in sys.modules and not hasattr(module, "cython_blas"):
+                module.cython_blas = sys.modules[_BLAS_MODULE]
+
+        spec.loader.exec_module = exec_module  # this spec's own loader instance only
+        return spec
+
+    def find_module(self, name, path=None):  # the legacy protocol: never used for this module
+        return None
+
+
+def preload_blas_bindings() -> bool:
+    """Load ``scipy.linalg.cython_blas`` without its package; ``True`` if this call loaded it."""
+    if _BLAS_MODULE in sys.modules or "scipy.linalg" in sys.modules:
+        return False
+    import importlib.machinery
+    import importlib.util
+
+    try:
+        scipy_spec = importlib.util.find_spec("scipy")
+        if scipy_spec is None or not scipy_spec.submodule_search_locations:
+            return False
+        directories = [os.path.join(d, "linalg") for d in scipy_spec.submodule_search_locations]
+        spec = importlib.machinery.PathFinder.find_spec(_BLAS_MODULE, directories)
+        if spec is None or not isinstance(spec.loader, importlib.machinery.ExtensionFileLoader):
+            return False
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[_BLAS_MODULE] = module
+        spec.loader.exec_module(module)
+    except Exception:  # any surprise: leave it to the normal import
+        sys.modules.pop(_BLAS_MODULE, None)
+        return False
+    sys.meta_path.insert(0, _AttachBlasModule())
+    return True
+
+
+preload_blas_bindings()
+
+
 def _load_tbb() -> bool:
     for directory in (os.path.join(sys.prefix, "lib"), os.path.join(sys.base_prefix, "lib")):
         for path in sorted(glob.glob(os.path.join(directory, "libtbb.so.12*"))):

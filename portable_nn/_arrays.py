@@ -100,12 +100,44 @@ def dtype_name(xp: Any, dtype: Any) -> str:
     return text.strip("')\"")
 
 
+class LazyNamespace:
+    """A namespace module imported on its first attribute access.
+
+    ``array_api_compat.numpy`` builds itself by cloning NumPy's whole namespace, which
+    imports NumPy's lazy submodules (f2py, testing, …): ~0.17 s, paid by a process's first
+    call although the kernel routes never touch the namespace.  Validation (which reads
+    NumPy dtypes directly) and the kernels run without it; the reference implementation,
+    and anything else that uses ``call.xp``, imports it on first use.  Each attribute is
+    cached on the instance after its first lookup, so later accesses cost a plain lookup.
+    """
+
+    def __init__(self, module_name: str) -> None:
+        self._module_name = module_name
+        self._module: Any = None
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("_") and attr in ("_module_name", "_module"):  # not set yet: copying, pickling
+            raise AttributeError(attr)
+        if self._module is None:
+            import importlib
+
+            self._module = importlib.import_module(self._module_name)
+        value = getattr(self._module, attr)
+        self.__dict__[attr] = value
+        return value
+
+    def __repr__(self) -> str:
+        return f"<lazily imported namespace {self._module_name!r}>"
+
+
+#: array-api-compat's NumPy namespace, imported when first used (see :class:`LazyNamespace`).
+NUMPY_NAMESPACE = LazyNamespace("array_api_compat.numpy")
+
+
 def namespace(x: Any) -> Any:
     """The array-API namespace for ``x`` (array-api-compat's wrapper where needed)."""
     if isinstance(x, np.ndarray):
-        import array_api_compat.numpy as np_xp
-
-        return np_xp
+        return NUMPY_NAMESPACE
     return aac.array_namespace(x)
 
 

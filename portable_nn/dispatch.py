@@ -872,9 +872,7 @@ class Bridge:
             import array_api_compat.cupy as cp_xp
 
             return cp_xp
-        import array_api_compat.numpy as np_xp
-
-        return np_xp
+        return _arrays.NUMPY_NAMESPACE
 
     def context(self) -> Any:
         """Where a CuPy-native kernel runs: the arrays' device and, for torch, torch's stream."""

@@ -248,7 +248,7 @@ w = next(w for w in WORKLOADS if w.name == sys.argv[1])
 cases = w.build(True)
 t0 = time.perf_counter()
 if sys.argv[2] == "after_startup":
-    from kernels_cpu.copy import parallel_copy  # numba, scipy.linalg, the thread pool: paid once per process
+    from kernels_cpu.copy import parallel_copy  # numba, its BLAS bindings, the thread pool: paid once per process
     a = np.ones(1 << 20, np.float32)
     parallel_copy(a, np.empty_like(a))
 t1 = time.perf_counter()
@@ -262,7 +262,7 @@ def _first_call_latency(selected: list[Workload], quick: bool) -> dict[str, dict
     """Seconds of the first fwd+bwd call in a new process.
 
     Reported per op: ``warm_cache_s`` — the process's first call of anything, warm on-disk
-    cache (includes Numba's one-off start-up: importing numba and scipy.linalg, its typing
+    cache (includes Numba's one-off start-up: importing numba and its BLAS bindings, its typing
     registries, the thread pool); ``startup_s`` — that one-off part alone, measured with a
     trivial kernel; ``op_after_startup_s`` — the op's own first call once Numba is up (what
     every further op costs); ``cold_compile_s`` — first call with an empty cache (full runs only).
