@@ -208,6 +208,32 @@ def _norm_workload(name: str, op: str, shape: tuple[int, ...], quick_shape: tupl
     return Workload(name, (op,), build)
 
 
+def _moments_workload(name: str, shape: tuple[int, ...], quick_shape: tuple[int, ...],
+                      axes: tuple[int, ...]) -> Workload:
+    """Mean and population variance over ``axes`` (batch_norm's statistics) vs ``torch.var_mean``."""
+
+    def build(quick: bool, place: Placement = CPU) -> Cases:
+        s = quick_shape if quick else shape
+        rng = _rng()
+        x = _randn(rng, *s) + 3.0
+        kept = tuple(d for i, d in enumerate(s) if i not in axes)
+        dmean, dvar = _randn(rng, *kept), _randn(rng, *kept)
+        cotangent = (place.array(dmean), place.array(dvar))
+
+        def torch_cases() -> Phases:
+            import torch
+
+            (xt,) = _tensors(place, x)
+            return _torch_phases(lambda: torch.var_mean(xt, dim=axes, correction=0), (xt,),
+                                 (place.tensor(dvar), place.tensor(dmean)))
+
+        n = place.nbytes(x)
+        return Cases(lambda be: _op_phases(be, pnn.moments, (place.array(x), axes), {}, cotangent), torch_cases,
+                     {"fwd": n, "bwd": 2 * n, "fwd+bwd": 3 * n})
+
+    return Workload(name, ("moments",), build)
+
+
 # --------------------------------------------------------------------------- recurrent
 
 
@@ -500,6 +526,7 @@ WORKLOADS = [
                    lambda s: s[1], extra=(32,)),
     _norm_workload("instance_norm (128,64,32,32)", "instance_norm", (128, 64, 32, 32), (8, 64, 16, 16),
                    lambda s: s[1]),
+    _moments_workload("moments over (0,2,3) (128,64,32,32)", (128, 64, 32, 32), (8, 64, 16, 16), (0, 2, 3)),
     _cell_workload("lstm_cell"),
     _cell_workload("gru_cell"),
     _sequence_workload("lstm"),
