@@ -27,6 +27,18 @@ CPU_SUPPORT = dict(
 )
 NUMBA_PRIORITY = 5
 
+register_builtin(
+    "moments",
+    "numba",
+    forward="kernels_cpu.norm:moments_forward",
+    backward="kernels_cpu.norm:moments_backward",
+    supports=Support(
+        description="any axes (int, tuple, None), keepdims, any correction; float64 shifted sums, no transpose",
+        **CPU_SUPPORT,
+    ),
+    priority=NUMBA_PRIORITY,
+)
+
 for _op in ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm"):
     register_builtin(
         _op,

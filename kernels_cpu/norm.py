@@ -1,4 +1,4 @@
-"""Numba kernels for every norm, forward and backward (backend ``"numba"``).
+"""Numba kernels for every norm and for ``moments``, forward and backward (backend ``"numba"``).
 
 All five norms run through one canonical view of a C-contiguous ``x``::
 
@@ -26,7 +26,8 @@ chunk's partial dweight/dbias, one pass writing dx; the partials are reduced in
 a fixed order afterwards, so results do not depend on the thread count.
 
 Statistics are float64 whatever the data (float32 data with a 1e4 offset keeps
-its precision); outputs have the data's dtype.
+its precision); outputs have the data's dtype.  ``moments`` (any axes) has its own plan and
+kernels at the end of the module.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import math
 
 import numpy as np
 from numba import njit, prange
+
+from portable_nn.kernel_plans import MomentsPlan, canonical, moments_plan, moments_shape, row_splits
 
 from . import _runtime
 from ._runtime import into as _into
@@ -545,26 +548,6 @@ def _columns_backward(x4, dy4, dx4, w, b, mean, rstd, train, center, need_x, cod
 # --------------------------------------------------------------------------- plans and entry points
 
 
-def canonical(call):
-    """(Nn, P, C, Q), Cg, S for the call's norm (channel axis 1 or -1, as declared)."""
-    shape = tuple(int(v) for v in call.x.shape)
-    kind = call.kind
-    if kind in ("layer_norm", "rms_norm"):
-        lead = len(shape) - len(call.axes)
-        d = math.prod(shape[lead:])
-        return (math.prod(shape[:lead]), 1, 1, d), d, 1
-    n, first = shape[0], call.layout == "channels_first"
-    ch = shape[1] if first else shape[-1]
-    spatial = math.prod(shape[2:]) if first else math.prod(shape[1:-1])
-    if kind == "batch_norm":
-        return ((1, n, ch, spatial), 1, spatial) if first else ((1, n * spatial, ch, 1), 1, 1)
-    if kind == "instance_norm":
-        return ((n, 1, ch, spatial), 1, spatial) if first else ((n, spatial, ch, 1), 1, 1)
-    groups = call.num_groups
-    per = ch // groups
-    return ((n, 1, groups, per * spatial), per, spatial) if first else ((n, spatial, groups, per), per, 1)
-
-
 def _flat_param(p, fill, size, dtype):
     """The parameter as a flat array; ones/zeros when absent, so kernels never branch on it."""
     if p is None:
@@ -659,3 +642,261 @@ def norm_backward(residuals, cotangents, needs, out=None):
         grads["bias"] = _into(out, "bias", db.astype(x.dtype).reshape(call.bias.shape))
     return grads
 
+
+
+def finish_moments(shift, s1, s2, n: int, correction: float):
+    """(mean, centred mean, var) of groups from their shift and summed shifted sums (NumPy float64)."""
+    cm = s1 / n
+    denom = n - correction
+    if denom > 0:
+        var = np.maximum((s2 - s1 * cm) / denom, 0.0)  # rounding only; NaN data keeps a NaN variance
+    else:
+        var = np.full_like(s2, np.nan)
+    return shift + cm, cm, var
+
+
+# --------------------------------------------------------------------------- moments: kernels
+
+#: Tasks a moments reduction is split into when it has few groups.  Fixed by the shape, never by
+#: the thread count, so results are bitwise the same with any number of threads.
+MOMENTS_TASKS = 64
+#: The fewest elements one task's partial sums cover.
+MOMENTS_MIN_CHUNK = 4096
+
+
+@njit(inline="always", **_OPTS)
+def _row_at(kk, rr, kstride, ktab, rstride, rtab):
+    """row(kk, rr) = off_k(kk) + off_r(rr) (tables when non-empty, else idx · stride)."""
+    a = ktab[kk] if ktab.shape[0] > 0 else kk * kstride
+    b = rtab[rr] if rtab.shape[0] > 0 else rr * rstride
+    return a + b
+
+
+@njit(inline="always", **_OPTS)
+def _mom_rows_task(t, xf, shift, s1, s2, L, rout, rper, qper, qsplits, kstride, ktab, rstride, rtab):
+    """Row mode, task t = (group g, chunk k): shifted sums over the chunk's rows × part of the rows."""
+    chunks = s1.shape[1]
+    g = t // chunks
+    k = t - g * chunks
+    rc = k // qsplits
+    q0 = (k - rc * qsplits) * qper
+    q1 = min(L, q0 + qper)
+    sh = shift[g]
+    a = 0.0
+    b = 0.0
+    for rr in range(rc * rper, min(rout, (rc + 1) * rper)):
+        base = _row_at(g, rr, kstride, ktab, rstride, rtab) * L
+        u, v = _shifted_sums(xf[base + q0 : base + q1], sh)
+        a += u
+        b += v
+    s1[g, k] = a
+    s2[g, k] = b
+
+
+@njit(parallel=True, **_OPTS)
+def _mom_rows_parallel(xf, shift, s1, s2, L, rout, rper, qper, qsplits, kstride, ktab, rstride, rtab):
+    for t in prange(s1.shape[0] * s1.shape[1]):
+        _mom_rows_task(t, xf, shift, s1, s2, L, rout, rper, qper, qsplits, kstride, ktab, rstride, rtab)
+
+
+@njit(**_OPTS)
+def _mom_rows_serial(xf, shift, s1, s2, L, rout, rper, qper, qsplits, kstride, ktab, rstride, rtab):
+    for t in range(s1.shape[0] * s1.shape[1]):
+        _mom_rows_task(t, xf, shift, s1, s2, L, rout, rper, qper, qsplits, kstride, ktab, rstride, rtab)
+
+
+@njit(inline="always", **_OPTS)
+def _mom_cols_task(t, xf, shift, s1, s2, rout, rper, kstride, ktab, rstride, rtab):
+    """Column mode, task t = (kk, row chunk k): per-column shifted sums, vectorised along each row."""
+    chunks = s1.shape[1]
+    kk = t // chunks
+    k = t - kk * chunks
+    L = s1.shape[2]
+    a, b, sh = s1[kk, k], s2[kk, k], shift[kk]
+    for rr in range(k * rper, min(rout, (k + 1) * rper)):
+        base = _row_at(kk, rr, kstride, ktab, rstride, rtab) * L
+        row = xf[base : base + L]
+        for j in range(L):
+            d = np.float64(row[j]) - sh[j]
+            a[j] += d
+            b[j] += d * d
+
+
+@njit(parallel=True, **_OPTS)
+def _mom_cols_parallel(xf, shift, s1, s2, rout, rper, kstride, ktab, rstride, rtab):
+    for t in prange(s1.shape[0] * s1.shape[1]):
+        _mom_cols_task(t, xf, shift, s1, s2, rout, rper, kstride, ktab, rstride, rtab)
+
+
+@njit(**_OPTS)
+def _mom_cols_serial(xf, shift, s1, s2, rout, rper, kstride, ktab, rstride, rtab):
+    for t in range(s1.shape[0] * s1.shape[1]):
+        _mom_cols_task(t, xf, shift, s1, s2, rout, rper, kstride, ktab, rstride, rtab)
+
+
+@njit(inline="always", **_OPTS)
+def _mom_dx_segment(xr, dr, s, m, a, b):
+    """dx = a + b · ((x − s) − m) along a contiguous run (a loop over array views vectorises; one over
+    flat indices into the whole buffer did not: 3.4 ms vs 1.0 ms for a (4096, 1024) float32 array)."""
+    for i in range(xr.shape[0]):
+        dr[i] = a + b * ((np.float64(xr[i]) - s) - m)
+
+
+@njit(inline="always", **_OPTS)
+def _mom_dx_rows_task(t, xf, dxf, shift, cm, ca, cb, L, rout, rper, qper, qsplits, chunks, kstride, ktab, rstride,
+                      rtab):
+    """Row mode: dx = ca + cb · ((x − shift) − cm) over task t's chunk (constants of its group)."""
+    g = t // chunks
+    k = t - g * chunks
+    rc = k // qsplits
+    q0 = (k - rc * qsplits) * qper
+    q1 = min(L, q0 + qper)
+    s, m, a, b = shift[g], cm[g], ca[g], cb[g]
+    for rr in range(rc * rper, min(rout, (rc + 1) * rper)):
+        base = _row_at(g, rr, kstride, ktab, rstride, rtab) * L
+        _mom_dx_segment(xf[base + q0 : base + q1], dxf[base + q0 : base + q1], s, m, a, b)
+
+
+@njit(parallel=True, **_OPTS)
+def _mom_dx_rows_parallel(xf, dxf, shift, cm, ca, cb, L, rout, rper, qper, qsplits, chunks, kstride, ktab, rstride,
+                          rtab):
+    for t in prange(shift.shape[0] * chunks):
+        _mom_dx_rows_task(t, xf, dxf, shift, cm, ca, cb, L, rout, rper, qper, qsplits, chunks, kstride, ktab,
+                          rstride, rtab)
+
+
+@njit(**_OPTS)
+def _mom_dx_rows_serial(xf, dxf, shift, cm, ca, cb, L, rout, rper, qper, qsplits, chunks, kstride, ktab, rstride,
+                        rtab):
+    for t in range(shift.shape[0] * chunks):
+        _mom_dx_rows_task(t, xf, dxf, shift, cm, ca, cb, L, rout, rper, qper, qsplits, chunks, kstride, ktab,
+                          rstride, rtab)
+
+
+@njit(inline="always", **_OPTS)
+def _mom_dx_cols_task(t, xf, dxf, shift, cm, ca, cb, rout, rper, chunks, kstride, ktab, rstride, rtab):
+    """Column mode: dx along each row of task t with per-column constants."""
+    kk = t // chunks
+    k = t - kk * chunks
+    L = shift.shape[1]
+    s, m, a, b = shift[kk], cm[kk], ca[kk], cb[kk]
+    for rr in range(k * rper, min(rout, (k + 1) * rper)):
+        base = _row_at(kk, rr, kstride, ktab, rstride, rtab) * L
+        xr = xf[base : base + L]
+        dr = dxf[base : base + L]
+        for j in range(L):
+            dr[j] = a[j] + b[j] * ((np.float64(xr[j]) - s[j]) - m[j])
+
+
+@njit(parallel=True, **_OPTS)
+def _mom_dx_cols_parallel(xf, dxf, shift, cm, ca, cb, rout, rper, chunks, kstride, ktab, rstride, rtab):
+    for t in prange(shift.shape[0] * chunks):
+        _mom_dx_cols_task(t, xf, dxf, shift, cm, ca, cb, rout, rper, chunks, kstride, ktab, rstride, rtab)
+
+
+@njit(**_OPTS)
+def _mom_dx_cols_serial(xf, dxf, shift, cm, ca, cb, rout, rper, chunks, kstride, ktab, rstride, rtab):
+    for t in range(shift.shape[0] * chunks):
+        _mom_dx_cols_task(t, xf, dxf, shift, cm, ca, cb, rout, rper, chunks, kstride, ktab, rstride, rtab)
+
+
+# --------------------------------------------------------------------------- moments: entry points
+
+
+def _moments_tasks(units: int, elements: int) -> int:
+    """Chunks per unit: enough for MOMENTS_TASKS tasks in all, none under MOMENTS_MIN_CHUNK elements."""
+    if units >= MOMENTS_TASKS or elements <= MOMENTS_MIN_CHUNK:
+        return 1
+    return max(1, min(-(-MOMENTS_TASKS // max(units, 1)), -(-elements // MOMENTS_MIN_CHUNK)))
+
+
+def _column_chunks(plan: MomentsPlan) -> tuple[int, int]:
+    """(rows per chunk, chunks) of column mode."""
+    chunks = max(1, min(_moments_tasks(plan.kout, plan.rout * plan.L), plan.rout))
+    rper = -(-plan.rout // chunks)
+    return rper, -(-plan.rout // rper)
+
+
+def _tables(plan: MomentsPlan) -> tuple:
+    return plan.kstride, plan.ktab, plan.rstride, plan.rtab
+
+
+def _moment_sums(xf, plan: MomentsPlan):
+    """(shift, Σ (x − shift), Σ (x − shift)²) per group, float64, in the groups' order."""
+    first = plan.kept_rows() * plan.L
+    if not plan.column:
+        shift = xf[first].astype(np.float64)
+        rper, rsplits, qper, qsplits = row_splits(plan, _moments_tasks(plan.groups, plan.n))
+        s1 = np.empty((plan.groups, rsplits * qsplits))
+        s2 = np.empty_like(s1)
+        _run(_mom_rows_parallel, _mom_rows_serial, xf.size,
+             xf, shift, s1, s2, plan.L, plan.rout, rper, qper, qsplits, *_tables(plan))
+        return shift, s1.sum(axis=1), s2.sum(axis=1)
+    shift = xf[first[:, None] + np.arange(plan.L)].astype(np.float64)
+    rper, chunks = _column_chunks(plan)
+    s1 = np.zeros((plan.kout, chunks, plan.L))
+    s2 = np.zeros_like(s1)
+    _run(_mom_cols_parallel, _mom_cols_serial, xf.size, xf, shift, s1, s2, plan.rout, rper, *_tables(plan))
+    return shift.reshape(-1), s1.sum(axis=1).reshape(-1), s2.sum(axis=1).reshape(-1)
+
+
+def moments_forward(call):
+    """``moments`` on NumPy arrays: outputs ``(mean, var)`` in x's dtype.
+
+    One pass of float64 shifted sums per group (see the section comment), partial sums reduced
+    in a fixed order; residuals: ``(x, shift, centred mean, plan, call)``.
+    """
+    x = call.x
+    plan = moments_plan(tuple(x.shape), call.axes)
+    shape = moments_shape(tuple(x.shape), call.axes, call.keepdims)
+    if x.size == 0:  # an empty reduction is undefined (NaN, as in NumPy); otherwise there are no groups
+        nan = np.full(shape, np.nan, x.dtype)
+        return (nan, nan.copy()), ((x, None, None, plan, call) if call.save else None)
+    shift, s1, s2 = _moment_sums(x.reshape(-1), plan)
+    mean, cm, var = finish_moments(shift, s1, s2, plan.n, call.correction)
+    residuals = (x, shift, cm, plan, call) if call.save else None
+    return (mean.astype(x.dtype).reshape(shape), var.astype(x.dtype).reshape(shape)), residuals
+
+
+def moment_coefficients(xp, cotangents, n: int, correction: float, groups: int):
+    """(ca, cb) per group with dx = ca + cb · (x − mean): ca = dmean / n, cb = 2 dvar / (n − correction).
+
+    A ``None`` cotangent contributes nothing; so does dvar when ``n <= correction`` (var is NaN).
+    Returns float64 arrays, or ``None`` when both cotangents are ``None`` (dx is zero).
+    """
+    dmean, dvar = cotangents
+    if dmean is None and (dvar is None or n - correction <= 0):
+        return None
+    ca = xp.zeros(groups) if dmean is None else xp.asarray(dmean, dtype=xp.float64).reshape(-1) / n
+    cb = xp.zeros(groups)
+    if dvar is not None and n - correction > 0:
+        cb = xp.asarray(dvar, dtype=xp.float64).reshape(-1) * (2.0 / (n - correction))
+    return ca, cb
+
+
+def moments_backward(residuals, cotangents, needs, out=None):
+    """dx = dmean / n + dvar · 2 (x − mean) / (n − correction), one elementwise pass over x."""
+    x, shift, cm, plan, call = residuals
+    if "x" not in needs:
+        return {}
+    out = out or {}
+    dx = out.get("x")
+    if dx is None or not dx.flags.c_contiguous or dx.dtype != x.dtype:
+        dx = np.empty_like(x)
+    coefficients = None if x.size == 0 else moment_coefficients(np, cotangents, plan.n, call.correction,
+                                                                plan.groups)
+    if coefficients is None:
+        dx[...] = 0
+        return {"x": _into(out, "x", dx)}
+    ca, cb = coefficients
+    xf, dxf = x.reshape(-1), dx.reshape(-1)
+    if not plan.column:
+        rper, rsplits, qper, qsplits = row_splits(plan, _moments_tasks(plan.groups, plan.n))
+        _run(_mom_dx_rows_parallel, _mom_dx_rows_serial, xf.size, xf, dxf, shift, cm, ca, cb, plan.L, plan.rout,
+             rper, qper, qsplits, rsplits * qsplits, *_tables(plan))
+    else:
+        rper, chunks = _column_chunks(plan)
+        as_cols = [a.reshape(plan.kout, plan.L) for a in (shift, cm, ca, cb)]
+        _run(_mom_dx_cols_parallel, _mom_dx_cols_serial, xf.size, xf, dxf, *as_cols, plan.rout, rper, chunks,
+             *_tables(plan))
+    return {"x": _into(out, "x", dx)}

@@ -172,6 +172,79 @@ for _name, (_op, _args, _kw, _dt, _pdt, _bf) in _MIXED.items():
     )
 
 
+# --------------------------------------------------------------------------- moments
+
+
+def _moments_check(shape, axis, keepdims, correction, settings, dtype="float64", bf16=False, offset=0.0):
+    """mean, var and dx (for both cotangents, and each alone) against the float64 reference."""
+    import portable_nn as pnn
+    from kernels_gpu.numba_cuda import _runtime as rt
+    from kernels_gpu.numba_cuda import norm as gn
+    from portable_nn.kernel_plans import moments_plan
+    from portable_nn.reference import norm as ref
+
+    rng = _rng(3)
+    x = np.asarray(rng.normal(offset + 1.0, 2.0, shape)).astype("float32" if bf16 else dtype)
+    kw = {"keepdims": keepdims, "correction": correction}
+    kcall = pnn.explain(pnn.moments, x, axis, **kw).call.replace(save=True)
+    if bf16:
+        import ml_dtypes
+
+        x = x.astype(ml_dtypes.bfloat16)
+        kcall = kcall.replace(arrays={"x": x}, dtype="bfloat16", save=True)
+    call = kcall.replace(arrays={"x": as_f64(x)}, dtype="float64", save=True)
+    stat = np.float64 if dtype == "float64" and not bf16 else np.float32
+    with rt.use_settings(**settings):
+        path = gn.moments_path(moments_plan(tuple(x.shape), kcall.axes)) if x.size else "empty"
+        (mean, var), res = gn.moments_forward(kcall)
+        dm = rng.standard_normal(mean.shape).astype(stat)
+        dv = rng.standard_normal(var.shape).astype(stat)
+        grads = [gn.moments_backward(res, cts, frozenset({"x"}), {})["x"] for cts in ((dm, dv), (dm, None), (None, dv))]
+        assert gn.moments_backward(res, (dm, dv), frozenset(), {}) == {}
+    (mr, vr), resr = ref.moments_forward(call)
+    errors = {"mean": rel(as_f64(mean), mr), "var": rel(as_f64(var), vr)}
+    for name, got, cts in zip(("dx", "dx-mean-only", "dx-var-only"), grads, ((dm, dv), (dm, None), (None, dv))):
+        # The reference gets zeros where the kernel got None (what vjp hands over for a None cotangent).
+        full = tuple(np.zeros(mr.shape) if c is None else as_f64(c) for c in cts)
+        expected = ref.moments_backward(resr, full, frozenset({"x"}), {})["x"]
+        assert got.dtype == x.dtype and got.shape == x.shape, (got.dtype, got.shape)
+        errors[name] = rel(as_f64(got), expected)
+    assert mean.dtype == stat and var.dtype == stat and mean.shape == mr.shape, (mean.dtype, mean.shape)
+    for got, want in ((mean, mr), (var, vr)):
+        assert np.array_equal(np.isnan(as_f64(got)), np.isnan(want)), "NaN positions"
+    return {"errors": errors, "tol": _TOL["bfloat16" if bf16 else dtype], "paths": ["moments-" + path]}
+
+
+#: Settings that send tiny groups to the block reductions (``rows``, ``cols``) instead of a thread each.
+_MOM_BLOCKS = {**SMALL, "column_below": 2}
+_MOMENTS = {
+    # name: (shape, axis, keepdims, correction, settings, dtype, bf16, offset)
+    "rows-last-axis": ((2, 9), -1, False, 0, _MOM_BLOCKS, "float64", False, 0.0),
+    "rows-all-split-along-row": ((20,), None, False, 1, _MOM_BLOCKS, "float64", False, 0.0),
+    "rows-nchw-batch-stats": ((2, 2, 2, 3), (0, 2, 3), True, 0, _MOM_BLOCKS, "float64", False, 0.0),
+    "rows-tables": ((2, 2, 2, 2, 3), (-1, 0, 2), False, 2.5, _MOM_BLOCKS, "float64", False, 0.0),
+    "small-groups-scalar": ((), None, False, 0, SMALL, "float64", False, 0.0),
+    "small-groups": ((5, 3), 1, False, 1, SMALL, "float64", False, 0.0),
+    "small-columns": ((4, 6), 0, False, 0, SMALL, "float64", False, 0.0),
+    "cols-axis0": ((9, 3), 0, False, 1, _MOM_BLOCKS, "float64", False, 0.0),
+    "cols-tables-keepdims": ((2, 2, 2, 2, 2), (1, 3), True, 0, _MOM_BLOCKS, "float64", False, 0.0),
+    "cols-one-block": ((3, 5), 0, False, 0, {**ROWS, "column_below": 2}, "float64", False, 0.0),
+    "keep-all": ((2, 3), (), False, 0, SMALL, "float64", False, 0.0),
+    "correction-at-least-n": ((2, 3), 0, False, 2, SMALL, "float64", False, 0.0),
+    "empty-reduction": ((0, 3), 0, False, 0, SMALL, "float64", False, 0.0),
+    "empty-groups": ((3, 0), 0, True, 0, SMALL, "float64", False, 0.0),
+    "float32-offset-rows": ((1, 24), -1, False, 0, _MOM_BLOCKS, "float32", False, 1e4),
+    "float32-offset-cols": ((16, 2), 0, False, 1, _MOM_BLOCKS, "float32", False, 1e4),
+    "float16": ((4, 3), 0, False, 0, _MOM_BLOCKS, "float16", False, 0.0),
+    "bfloat16-middle": ((2, 3, 2), (0, 2), False, 1, _MOM_BLOCKS, "float32", True, 0.0),
+}
+for _name, (_shape, _axis, _kd, _corr, _st, _dt, _bf, _off) in _MOMENTS.items():
+    case(f"moments/{_name}")(
+        lambda shape=_shape, axis=_axis, kd=_kd, corr=_corr, st=_st, dt=_dt, bf=_bf, off=_off: _moments_check(
+            shape, axis, kd, corr, st, dt, bf, off)
+    )
+
+
 # --------------------------------------------------------------------------- log_softmax
 
 

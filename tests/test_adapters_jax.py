@@ -169,10 +169,8 @@ CASES = _cases()
 BY_ID = {c.id: c for c in CASES}
 #: Cases whose callback route is also differentiated eagerly (the eager host path is the same code for every op).
 EAGER_GRAD = ("layer_norm", "lstm-bi-lengths", "conv2d", "cross_entropy-probs")
-#: No CPU kernel computes moments: it has the traced route only.
-ROUTED = [
-    pytest.param(c, r, id=f"{r}-{c.id}") for c in CASES for r in ROUTES if not (c.op == "moments" and r == "callback")
-]
+#: Every op takes both routes (moments included: the Numba kernel runs it on the callback route).
+ROUTED = [pytest.param(c, r, id=f"{r}-{c.id}") for c in CASES for r in ROUTES]
 
 
 @jax.jit
@@ -308,8 +306,11 @@ def test_forced_backend_that_cannot_run_raises_at_trace_time():
     x = jnp.ones((3, 4), jnp.float16)
     with pnn.use_backend("numba"), pytest.raises(pnn.BackendUnavailableError, match="float16"):
         pnj.layer_norm(x)
-    with pnn.use_backend("numba"), pytest.raises(pnn.BackendUnavailableError, match="moments"):
-        pnj.moments(jnp.ones((3, 4)))
+    with pnn.use_backend("numba"), pytest.raises(pnn.BackendUnavailableError, match="float16"):
+        pnj.moments(x, 0)
+    with pnn.use_backend("numba"):  # moments has a Numba kernel: forcing it takes the callback route
+        route = pnj.explain(pnj.moments, jnp.ones((3, 4)), 0)
+    assert (route.kind, route.backend) == ("callback", "numba")
 
 
 def test_eager_traced_route(x64):

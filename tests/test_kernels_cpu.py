@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import portable_nn as pnn
-from pnn_testing import HAS_TORCH, run_in_threads
+from pnn_testing import HAS_TORCH, rel_err, run_in_threads
 
 pytestmark = pytest.mark.skipif(not pnn.available_backends()["numba"], reason="numba not installed")
 
@@ -189,3 +189,170 @@ def test_cached_kernels_are_dropped_when_any_sibling_source_changes(tmp_path):
     (tmp_path / "helpers.py").write_text("y = 22\n")  # a sibling, not the kernel's own file
     assert _runtime.drop_stale_cache(str(tmp_path / "kernels.py"))
     assert not list(cache.glob("*.nbi"))
+
+
+# --------------------------------------------------------------------------- moments
+
+#: (shape, axis): rows, columns, batch-norm statistics, middle axes, offset tables, all and no axes,
+#: negative and unsorted axes, 0-d and empty arrays.
+MOMENT_CASES = [
+    ((), None), ((7,), 0), ((5, 40), -1), ((40, 5), 0), ((3, 4, 50), (0, 2)), ((8, 6, 5, 5), (0, 2, 3)),
+    ((2, 3, 4, 5), (0, 2)), ((2, 3, 4, 5), (-1, 1)), ((3, 2, 2, 3, 2), (4, 0, 2)), ((2, 1, 3, 1), (1, 2)),
+    ((6, 3), ()), ((4, 3, 2), None), ((0, 3), 0), ((3, 0), 0),
+]
+
+
+def _offsets_by_group(plan):
+    """The flat offsets each group's elements are read from, in the kernels' order (groups × n)."""
+    from portable_nn.kernel_plans import MomentsPlan
+
+    assert isinstance(plan, MomentsPlan)
+    kept = plan.kept_rows()
+    reduced = plan.rtab if plan.rtab.size else np.arange(plan.rout, dtype=np.int64) * plan.rstride
+    rows = kept[:, None] + reduced[None, :]  # (kout, rout)
+    if plan.column:  # group kk·L + j: column j of the rows of kk
+        return (rows[:, None, :] * plan.L + np.arange(plan.L)[None, :, None]).reshape(plan.groups, plan.n)
+    return (rows[:, :, None] * plan.L + np.arange(plan.L)).reshape(plan.groups, plan.n)
+
+
+@pytest.mark.parametrize("shape", [(5,), (3, 4), (2, 3, 4), (2, 1, 3, 4), (3, 2, 2, 3, 2), (2, 2, 1, 2, 2, 3)])
+def test_moments_plan_reads_every_element_once_in_the_output_order(shape):
+    """For every set of axes: each group reads exactly its elements, the first one (the shift) first,
+    and groups come in the order of the output (kept axes row-major)."""
+    import itertools
+
+    from portable_nn.kernel_plans import moments_plan
+
+    index = np.arange(int(np.prod(shape))).reshape(shape)
+    for r in range(len(shape) + 1):
+        for axes in itertools.combinations(range(len(shape)), r):
+            plan = moments_plan(shape, axes)
+            kept = [a for a in range(len(shape)) if a not in axes]
+            expected = np.transpose(index, kept + list(axes)).reshape(plan.groups, plan.n)
+            got = _offsets_by_group(plan)
+            assert got.shape == expected.shape, axes
+            np.testing.assert_array_equal(np.sort(got, axis=1), np.sort(expected, axis=1), err_msg=str(axes))
+            np.testing.assert_array_equal(got[:, 0], expected[:, 0], err_msg=f"shift of {axes}")
+            assert plan.column == (bool(kept) and kept[-1] == len(shape) - 1 and shape[-1] > 1), axes
+
+
+def _moments_vjp(x, axis, keepdims, correction, stat, seed=0):
+    """(mean, var, dx for both cotangents, dx for dmean alone, dx for dvar alone) and the cotangents used."""
+    (mean, var), pullback = pnn.vjp(pnn.moments, x, axis, keepdims=keepdims, correction=correction)
+    rng = np.random.default_rng(seed)
+    dm = rng.standard_normal(np.shape(mean)).astype(stat)
+    dv = rng.standard_normal(np.shape(var)).astype(stat)
+    grads = [pullback(c).x for c in ((dm, dv), (dm, None), (None, dv))]
+    return [mean, var, *grads], (dm, dv)
+
+
+def _assert_moments_match(got, expected, tol):
+    for a, e, what in zip(got, expected, ("mean", "var", "dx", "dx(dmean)", "dx(dvar)")):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        assert a.shape == e.shape, what
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(e), err_msg=f"{what}: NaN positions")
+        finite = ~np.isnan(e)
+        if finite.any():
+            err = rel_err(a[finite], e[finite])
+            assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("keepdims, correction", [(False, 0), (True, 1), (False, 2.5)])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("shape, axis", MOMENT_CASES, ids=[f"{s}-{a}" for s, a in MOMENT_CASES])
+def test_forced_numba_moments_match_the_reference(shape, axis, dtype, keepdims, correction):
+    """mean, var and dx (both cotangents, each alone) on the forced Numba kernel: float64 within 1e-12,
+    float32 within 1e-5 of the float64 reference on the same values; dtypes and shapes as documented."""
+    x = np.random.default_rng(1).normal(3.0, 2.0, shape).astype(dtype)
+    with pnn.use_backend("numba"):
+        assert pnn.explain(pnn.moments, x, axis, keepdims=keepdims, correction=correction).backend == "numba"
+        got, _ = _moments_vjp(x, axis, keepdims, correction, dtype)
+    for a in got:
+        assert isinstance(a, np.ndarray) and a.dtype == np.dtype(dtype)
+    assert got[2].shape == x.shape
+    with pnn.use_backend("reference"):
+        expected, _ = _moments_vjp(x.astype(np.float64), axis, keepdims, correction, "float64")
+    _assert_moments_match(got, expected, 1e-12 if dtype == "float64" else 1e-5)
+
+
+def test_moments_large_offset_is_as_accurate_as_centred_data():
+    """float32 data at mean 1e4, std 1: the variance on every path is as accurate as for the same data centred."""
+    rng = np.random.default_rng(2)
+    for shape, axis in (((2048, 3), 0), ((3, 2048), -1), ((4096,), None), ((64, 3, 32), (0, 2))):
+        noise = rng.standard_normal(shape)
+        errors = []
+        for offset in (0.0, 1e4):
+            x = (noise + offset).astype(np.float32)
+            with pnn.use_backend("numba"):
+                mean, var = pnn.moments(x, axis)
+            x64 = x.astype(np.float64)
+            errors.append(rel_err(var, x64.var(axis=axis)))
+            assert rel_err(mean, x64.mean(axis=axis)) <= 1e-7
+        assert errors[1] <= max(4 * errors[0], 1e-6), (shape, axis, errors)
+
+
+def test_moments_strided_input_is_copied_and_reported():
+    x = np.asfortranarray(_data((6, 5, 4), np.float64))
+    for axis in (0, (1, 2), -1):
+        report = pnn.explain(pnn.moments, x, axis)
+        assert report.backend == "numba" and report.copies == ["x"]
+        with pnn.use_backend("numba"):
+            got, _ = _moments_vjp(x, axis, False, 1, "float64")
+        with pnn.use_backend("reference"):
+            expected, _ = _moments_vjp(x, axis, False, 1, "float64")
+        _assert_moments_match(got, expected, 1e-12)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
+def test_torch_cpu_tensors_run_the_numba_moments_kernel():
+    import torch
+
+    x = torch.randn(4, 3, 5, dtype=torch.float64)
+    assert pnn.explain(pnn.moments, x, (0, 2)).backend == "numba"
+    with pnn.use_backend("numba"):
+        (mean, var), pullback = pnn.vjp(pnn.moments, x, (0, 2), correction=1)
+        dx = pullback((torch.ones(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64))).x
+    var_t, mean_t = torch.var_mean(x, dim=(0, 2), correction=1)
+    assert all(isinstance(t, torch.Tensor) for t in (mean, var, dx))
+    torch.testing.assert_close(mean, mean_t, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(var, var_t, rtol=1e-12, atol=1e-12)
+    xt = x.clone().requires_grad_()
+    v, m = torch.var_mean(xt, dim=(0, 2), correction=1)
+    (v.sum() + m.sum()).backward()
+    torch.testing.assert_close(dx, xt.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape, axis", [((6, 4000), -1), ((4000, 6), 0), ((20000,), None), ((16, 3, 900), (0, 2)),
+                                         ((5, 900, 6), 1)])
+def test_moments_parallel_and_serial_split_paths_agree_bitwise(shape, axis, monkeypatch):
+    """Groups split into tasks by shape alone: any thread count gives the same bits; still the reference's values."""
+    from kernels_cpu import norm
+
+    monkeypatch.setattr(norm, "MOMENTS_MIN_CHUNK", 64)  # many tasks per group, partial sums merged
+    x = _data(shape, np.float64) * 3 + 100.0
+    results = {}
+    for label, threshold in (("serial", 1 << 60), ("parallel", 0)):
+        monkeypatch.setattr(norm, "PARALLEL_MIN_ELEMENTS", threshold)
+        with pnn.use_backend("numba"):
+            results[label] = [_moments_vjp(x, axis, False, 1, "float64")[0] for _ in range(2)]
+    runs = [*results["serial"], *results["parallel"]]
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            assert np.array_equal(a, b)
+    with pnn.use_backend("reference"):
+        expected, _ = _moments_vjp(x, axis, False, 1, "float64")
+    _assert_moments_match(runs[0], expected, 1e-12)
+
+
+def test_moments_backward_writes_into_out_and_skips_what_is_not_needed():
+    from kernels_cpu import norm
+
+    x = _data((5, 7), np.float64)
+    call = pnn.explain(pnn.moments, x, 0).call.replace(save=True)
+    (mean, var), res = norm.moments_forward(call)
+    out = {"x": np.full_like(x, 7.0)}
+    grads = norm.moments_backward(res, (np.ones_like(mean), np.ones_like(var)), frozenset({"x"}), out)
+    assert grads["x"] is out["x"] and not np.any(out["x"] == 7.0)
+    assert norm.moments_backward(res, (np.ones_like(mean), None), frozenset(), {}) == {}
+    zero = norm.moments_backward(res, (None, None), frozenset({"x"}), {"x": np.full_like(x, 7.0)})["x"]
+    assert not np.any(zero)

@@ -467,6 +467,9 @@ def test_block_sizes_are_checked(monkeypatch):
     call = _call("layer_norm", (_rng().standard_normal((4, 8)),), {})
     with recording(), pytest.raises(ValueError, match="BLOCK must be a power of two"):
         cnorm.norm_forward(call)
+    call = _call("moments", (_rng().standard_normal((4, 80)),), {"axis": -1})
+    with recording(), pytest.raises(ValueError, match="BLOCK must be a power of two"):
+        cnorm.moments_forward(call)
 
 
 def test_bfloat16_bit_helpers_round_to_nearest_even():
@@ -517,8 +520,18 @@ def _host(a):
     return a
 
 
-def gpu_compare(spec, dtype, mixed, tol_factor=1.0):
-    """Forward and every gradient of ``spec`` forced onto ``cupy`` vs the float64 reference."""
+def _dtype_name(a) -> str:
+    """A CuPy or torch array's dtype name (``"float32"``, ``"bfloat16"`` …)."""
+    return str(a.dtype).removeprefix("torch.")
+
+
+def gpu_compare(spec, dtype, mixed, tol_factor=1.0, tol=None):
+    """Forward and every gradient of ``spec`` forced onto ``cupy`` vs the float64 reference.
+
+    Cotangents take each output's own dtype (float32 statistics of half data, for ``moments``);
+    ``tol``, when given, bounds outputs and gradients alike (else ``TOL[dtype] * tol_factor`` the
+    outputs and four times that the gradients).
+    """
     _, op, args, kwargs = spec
     lib = _gpu_lib(dtype)
     pdt = "float32" if mixed else dtype
@@ -531,21 +544,22 @@ def gpu_compare(spec, dtype, mixed, tol_factor=1.0):
         assert pnn.explain(op, *dev_args, **dev_kwargs).backend == "cupy"
         y, pullback = pnn.vjp(op, *dev_args, **dev_kwargs)
         ys = y if isinstance(y, tuple) else (y,)
-        dys = tuple(_to_device(np.asarray(_rng(5 + k).standard_normal(tuple(v.shape))), dtype, lib)
+        dys = tuple(_to_device(np.asarray(_rng(5 + k).standard_normal(tuple(v.shape))), _dtype_name(v), lib)
                     for k, v in enumerate(ys))
         grads = pullback(dys if isinstance(y, tuple) else dys[0])
     with pnn.use_backend("reference"):
         y_ref, pb_ref = pnn.vjp(op, *ref_args, **ref_kwargs)
         host_dys = tuple(_host(d) for d in dys)
         grads_ref = pb_ref(host_dys if isinstance(y, tuple) else host_dys[0])
-    tol = TOL[dtype] * tol_factor
+    grad_tol = 4 * TOL[dtype] * tol_factor if tol is None else tol
+    tol = TOL[dtype] * tol_factor if tol is None else tol
     for k, (got, want) in enumerate(zip(ys, y_ref if isinstance(y_ref, tuple) else (y_ref,))):
         assert_matches(_host(got), _host(want), tol, f"output {k}")
     for name in grads._fields:
         got, want = getattr(grads, name), getattr(grads_ref, name)
         assert (got is None) == (want is None), name
         if got is not None:
-            assert_matches(_host(got), _host(want), 4 * tol, f"d{name}")
+            assert_matches(_host(got), _host(want), grad_tol, f"d{name}")
     for name in ("running_mean", "running_var"):
         if name in kwargs and kwargs.get("training", True) and kwargs.get("use_input_stats", True):
             assert_matches(_host(dev_kwargs[name]), _host(ref_kwargs[name]), TOL[pdt], name)
@@ -849,3 +863,147 @@ def test_emulated_cells(spec, monkeypatch):
 @pytest.mark.parametrize("spec", CELL_SPECS, ids=[s[0] for s in CELL_SPECS])
 def test_gpu_cells_match_reference(spec, dtype):
     gpu_compare(spec, dtype, False, tol_factor=2.0)
+
+
+# --------------------------------------------------------------------------- moments
+
+
+#: Settings of the moments paths: the defaults, small blocks (multi-block rows and columns, split
+#: groups and the merging pass, even for tiny groups) and every group summed by one thread.
+MOMENT_SETTINGS = {
+    "default": {},
+    "small": {**SMALL_NORM, "MOMENTS_THREAD_BELOW": 2},
+    "threads": {**SMALL_NORM, "MOMENTS_THREAD_BELOW": 10**9},
+}
+#: Tolerances of forced-backend moments results against the float64 reference.
+MOMENT_TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+def moment_specs():
+    """(id, op, args, kwargs): rows, columns, middle axes, offset tables, every edge case."""
+    r = _rng(9)
+
+    def x(shape, offset=1.0):
+        return r.normal(offset, 2.0, shape)
+
+    return [
+        ("rows-last", "moments", (x((5, 40)),), {"axis": -1}),
+        ("rows-all-one-long-row", "moments", (x((300,)),), {"correction": 1}),
+        ("rows-nchw-batch-stats", "moments", (x((3, 4, 5, 6)),), {"axis": (0, 2, 3), "keepdims": True}),
+        ("rows-tables", "moments", (x((2, 3, 2, 4, 6)),), {"axis": (-1, 0, 2), "correction": 2.5}),
+        ("cols-axis0", "moments", (x((40, 5)),), {"axis": 0, "correction": 1}),
+        ("cols-wide-tiles", "moments", (x((3, 70)),), {"axis": 0}),
+        ("cols-middle", "moments", (x((3, 7, 4)),), {"axis": 1, "keepdims": True}),
+        ("cols-tables", "moments", (x((2, 3, 2, 3, 2, 3)),), {"axis": (3, 1)}),
+        ("small-groups", "moments", (x((6, 3)),), {"axis": 1}),
+        ("scalar", "moments", (x(()),), {}),
+        ("keep-all", "moments", (x((2, 3)),), {"axis": ()}),
+        ("correction-at-least-n", "moments", (x((2, 3)),), {"axis": 0, "correction": 2}),
+        ("empty-reduction", "moments", (np.zeros((0, 3)),), {"axis": 0}),
+        ("empty-groups", "moments", (np.zeros((3, 0)),), {"axis": 0, "keepdims": True}),
+        ("offset-rows", "moments", (x((4, 64), 1e4),), {"axis": -1}),
+        ("offset-cols", "moments", (x((64, 3), 1e4),), {"axis": 0, "correction": 1}),
+    ]
+
+
+MOMENT_SPECS = moment_specs()
+#: The cotangent pairs each moments backward runs with (None: what a direct kernel call may pass).
+MOMENT_COTANGENTS = ("both", "mean", "var", "none")
+
+
+def _moment_cotangents(outputs, which, seed=11):
+    acc = str(outputs[0].dtype)
+    pair = tuple(_rng(seed + k).standard_normal(tuple(o.shape)).astype(acc) for k, o in enumerate(outputs))
+    return {"both": pair, "mean": (pair[0], None), "var": (None, pair[1]), "none": (None, None)}[which]
+
+
+@pytest.mark.parametrize("settings", list(MOMENT_SETTINGS))
+@pytest.mark.parametrize("spec", MOMENT_SPECS, ids=[s[0] for s in MOMENT_SPECS])
+def test_moments_launches_match_the_kernels(spec, settings, monkeypatch):
+    for key, value in MOMENT_SETTINGS[settings].items():
+        monkeypatch.setattr(cnorm, key, value)
+    _, op, args, kwargs = spec
+    for dtype, _ in ALL_DTYPES:
+        call = _call(op, args, kwargs, dtype)
+        with recording() as launches:
+            (mean, var), res = cnorm.moments_forward(call)
+            shape = tuple(1 if i in call.axes else n for i, n in enumerate(call.x.shape)
+                          if call.keepdims or i not in call.axes)
+            assert mean.shape == var.shape == shape and str(mean.dtype) == rt.acc_dtype(dtype)
+            for which in MOMENT_COTANGENTS:
+                grads = cnorm.moments_backward(res, _moment_cotangents((mean, var), which), frozenset({"x"}), {})
+                assert grads["x"].shape == call.x.shape and grads["x"].dtype == call.x.dtype
+            assert cnorm.moments_backward(res, _moment_cotangents((mean, var), "both"), frozenset(), {}) == {}
+        assert bool(launches) == (call.x.size > 0), "kernels run exactly when there is data"
+
+
+@needs_emulator
+@pytest.mark.parametrize("settings", list(MOMENT_SETTINGS))
+@pytest.mark.parametrize("spec", MOMENT_SPECS, ids=[s[0] for s in MOMENT_SPECS])
+def test_emulated_moments(spec, settings, monkeypatch):
+    """Every path and dtype on the CPU emulator against the reference (None cotangents as zeros)."""
+    for key, value in MOMENT_SETTINGS[settings].items():
+        monkeypatch.setattr(cnorm, key, value)
+    _, op, args, kwargs = spec
+    dtypes = ALL_DTYPES if settings == "small" else [("float32", False), ("float64", False)]
+    for dtype, _ in dtypes:
+        call = _call(op, args, kwargs, dtype)
+        with emulating():
+            outputs, res = cnorm.moments_forward(call)
+            grads = {which: cnorm.moments_backward(res, _moment_cotangents(outputs, which), frozenset({"x"}), {})["x"]
+                     for which in MOMENT_COTANGENTS}
+        tol = MOMENT_TOL[dtype]
+        for which, got in grads.items():
+            cts = tuple(np.zeros(o.shape) if c is None else c
+                        for o, c in zip(outputs, _moment_cotangents(outputs, which)))
+            ref_outputs, ref_grads = reference_of(call, cts, frozenset({"x"}))
+            assert_matches(as_float64(got, dtype), ref_grads["x"], tol, f"dx ({which}, {dtype})")
+        for got, want, what in zip(outputs, ref_outputs, ("mean", "var")):
+            assert_matches(got, want, tol, f"{what} ({dtype})")
+
+
+def test_moments_backward_writes_into_the_given_buffer():
+    call = _call("moments", (_rng(2).standard_normal((4, 8)),), {"axis": 0})
+    with recording():
+        outputs, res = cnorm.moments_forward(call)
+        out = {"x": np.empty((4, 8), np.float32)}
+        grads = cnorm.moments_backward(res, _moment_cotangents(outputs, "both"), frozenset({"x"}), out)
+    assert grads["x"] is out["x"]
+
+
+@pytest.mark.parametrize("shape, axes, path", [((4, 1000), (1,), "rows"), ((8, 3), (1,), "small"),
+                                               ((1000, 4), (0,), "cols"), ((6, 50, 7), (1,), "cols"),
+                                               ((6, 5, 7), (1,), "small"), ((4, 3, 64), (0, 2), "rows")])
+def test_moments_path_choice(shape, axes, path):
+    from portable_nn.kernel_plans import moments_plan
+
+    assert cnorm.moments_path(moments_plan(shape, axes)) == path
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("settings", ["default", "small"])
+@pytest.mark.parametrize("spec", MOMENT_SPECS, ids=[s[0] for s in MOMENT_SPECS])
+def test_gpu_moments_match_reference(spec, settings, dtype, monkeypatch):
+    for key, value in MOMENT_SETTINGS[settings].items():
+        monkeypatch.setattr(cnorm, key, value)
+    gpu_compare(spec, dtype, False, tol=MOMENT_TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("settings", ["default", "small"])
+def test_gpu_moments_bitwise_deterministic(settings, monkeypatch):
+    import cupy
+
+    for key, value in MOMENT_SETTINGS[settings].items():
+        monkeypatch.setattr(cnorm, key, value)
+    x = cupy.asarray(_rng(3).standard_normal((64, 32, 9)).astype(np.float32))
+    results = []
+    with pnn.use_backend("cupy"):
+        for axis in ((0, 2), 0, -1, None):
+            for _ in range(2):
+                (mean, var), pullback = pnn.vjp(pnn.moments, x, axis)
+                results.append((mean, var, pullback((mean, var)).x))
+    for first, second in zip(results[::2], results[1::2]):
+        for a, b in zip(first, second):
+            assert bool((a == b).all())

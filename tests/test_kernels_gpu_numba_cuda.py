@@ -36,9 +36,7 @@ needs_numba_cuda = pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is 
 NORMS = ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm")
 #: Ops the backend declares (the others fall back under auto, raise when forced).
 POOLS = ("max_pool", "avg_pool")
-DECLARED = (*NORMS, "log_softmax", *POOLS, "cross_entropy", "dense", "conv")
-#: Ops not implemented on this backend yet: forcing it must raise, never run something else.
-UNDECLARED = ("moments",)
+DECLARED = ("moments", *NORMS, "log_softmax", *POOLS, "cross_entropy", "dense", "conv")
 
 
 # --------------------------------------------------------------------------- declarations
@@ -55,11 +53,6 @@ def test_declared_support(op):
         assert s.mixed_precision
     if op in (*POOLS, "conv"):
         assert set(s.layouts) == {"channels_first", "channels_last"}
-
-
-@pytest.mark.parametrize("op", UNDECLARED)
-def test_undeclared_ops_have_no_numba_cuda_kernel(op):
-    assert all(i.backend != "numba_cuda" for i in dispatch.implementations(op))
 
 
 def test_import_loads_neither_numba_cuda_nor_cupy():
@@ -146,6 +139,8 @@ def test_every_kernel_is_declared_with_signatures():
     assert any(n.endswith("loss._ce_backward") for n in names)
     assert any(n.endswith("dense._activation_grad") for n in names)
     assert any(n.endswith("conv._col2im") for n in names)
+    for kernel in ("_mom_rows", "_mom_small", "_mom_cols", "_mom_finalize", "_mom_dx"):
+        assert any(n.endswith(f"norm.{kernel}") for n in names), kernel
 
 
 # --------------------------------------------------------------------------- simulator
@@ -180,6 +175,27 @@ def test_simulator_matches_reference(case_id, simulator_results):
 def test_simulator_covers_every_norm_path(simulator_results):
     paths = {p for r in simulator_results.values() for p in r.get("paths", ())}
     assert {"row", "seg", "column"} <= paths
+    assert {"moments-rows", "moments-small", "moments-cols", "moments-empty"} <= paths
+
+
+def test_moments_plan_and_paths_without_a_gpu():
+    """The host planning of every moments path (pure Python): the split groups cover every row once."""
+    if not HAS_NUMBA_CUDA:
+        pytest.skip("numba-cuda is not installed")
+    from kernels_gpu.numba_cuda import _runtime as rt
+    from kernels_gpu.numba_cuda import norm as gn
+    from portable_nn.kernel_plans import moments_plan
+
+    for shape, axes, path in [((4, 1000), (1,), "rows"), ((8, 3), (1,), "small"), ((1000, 4), (0,), "cols"),
+                              ((6, 50, 7), (1,), "cols"), ((6, 5, 7), (1,), "small"), ((4, 3, 64), (0, 2), "rows")]:
+        plan = moments_plan(shape, axes)
+        assert gn.moments_path(plan) == path, (shape, axes)
+        for rows in (1, 7, 1000):
+            for width in (1, 32):
+                rper, splits = gn._unit_splits(3, rows, width)
+                assert splits * rper >= rows > (splits - 1) * rper
+    with rt.use_settings(column_below=2):
+        assert gn.moments_path(moments_plan((8, 3), (1,))) == "rows"
 
 
 # --------------------------------------------------------------------------- on a GPU
@@ -407,3 +423,78 @@ def test_gpu_conv_matches_reference(x_shape, w_shape, bias, kw, dtype):
     if bias:
         params.append(rng.standard_normal(w_shape[0]))
     _gpu_params_check(pnn.conv, rng.standard_normal(x_shape), params, kw, dtype)
+
+
+#: (shape, axis, keepdims, correction) covering rows, columns, middle axes, tables, all axes and no axes.
+MOMENT_SHAPES = [
+    ((64, 300), -1, False, 0),
+    ((300, 64), 0, True, 1),
+    ((8, 16, 9, 9), (0, 2, 3), False, 1),
+    ((5000,), None, False, 0),
+    ((3, 40, 5), 1, False, 0.5),
+    ((4, 3, 5, 6, 7), (0, 2, 4), True, 0),
+    ((2, 3, 4), (), False, 0),
+    ((3, 2), 0, False, 2),
+]
+
+
+def gpu_moments_compare(backend, shape, axis, keepdims, correction, dtype, tol):
+    """moments forced onto ``backend`` (CuPy arrays; bfloat16 as CUDA torch tensors) against the float64
+    reference on the same rounded values: mean, var and dx for both cotangents, each alone and None."""
+    import cupy
+
+    rng = np.random.default_rng(0)
+    x64 = rng.normal(1e3 if dtype in ("float32", "float64") else 1.0, 2.0, shape)
+    kw = {"keepdims": keepdims, "correction": correction}
+    if dtype == "bfloat16":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("bfloat16 on the GPU is tested through CUDA torch tensors")
+        x = torch.tensor(x64, dtype=torch.bfloat16, device="cuda")
+        host = x.double().cpu().numpy()
+        to_dev, to_host = (lambda a: torch.tensor(a, device="cuda")), (lambda a: a.double().cpu().numpy())
+    else:
+        x = cupy.asarray(x64.astype(dtype))
+        host = cupy.asnumpy(x).astype(np.float64)
+        to_dev, to_host = cupy.asarray, (lambda a: cupy.asnumpy(a).astype(np.float64))
+    stat = "float64" if dtype == "float64" else "float32"
+    with pnn.use_backend(backend):
+        assert pnn.explain(pnn.moments, x, axis, **kw).backend == backend
+        (mean, var), pullback = pnn.vjp(pnn.moments, x, axis, **kw)
+        dm = rng.standard_normal(tuple(mean.shape)).astype(stat)
+        dv = rng.standard_normal(tuple(var.shape)).astype(stat)
+        grads = [pullback(cts).x for cts in ((to_dev(dm), to_dev(dv)), (to_dev(dm), None), (None, to_dev(dv)))]
+    with pnn.use_backend("reference"):
+        (mr, vr), pb_ref = pnn.vjp(pnn.moments, host, axis, **kw)
+        refs = [pb_ref(cts).x for cts in ((dm.astype(np.float64), dv.astype(np.float64)),
+                                         (dm.astype(np.float64), None), (None, dv.astype(np.float64)))]
+    assert str(mean.dtype).endswith(stat) and str(var.dtype).endswith(stat)
+    for got, want, what in ((mean, mr, "mean"), (var, vr, "var")):
+        got = to_host(got)
+        assert got.shape == want.shape and np.array_equal(np.isnan(got), np.isnan(want)), what
+        assert sim.rel(got, want) <= tol, what
+    for got, want in zip(grads, refs):
+        assert got.dtype == x.dtype and tuple(got.shape) == tuple(x.shape)
+        assert sim.rel(to_host(got), want) <= tol, "dx"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize(("shape", "axis", "keepdims", "correction"), MOMENT_SHAPES)
+def test_gpu_moments_match_reference(shape, axis, keepdims, correction, dtype):
+    tol = {"float64": 1e-12, "float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}[dtype]
+    gpu_moments_compare("numba_cuda", shape, axis, keepdims, correction, dtype, tol)
+
+
+@pytest.mark.gpu
+def test_gpu_moments_bitwise_deterministic():
+    import cupy
+
+    x = cupy.asarray(np.random.default_rng(1).standard_normal((64, 32, 9)).astype(np.float32))
+    results = []
+    with pnn.use_backend("numba_cuda"):
+        for _ in range(2):
+            (mean, var), pullback = pnn.vjp(pnn.moments, x, (0, 2))
+            results.append((mean, var, pullback((mean, var)).x))
+    for a, b in zip(*results):
+        assert bool((a == b).all())

@@ -729,6 +729,39 @@ def test_float32_statistics_with_large_offset(op, case, offset):
     assert not naive_err <= 1e-3, f"naive E[x²]−E[x]² should fail this check (error {naive_err:.2e})"
 
 
+#: moments' reduction patterns (each a different path of the kernels): columns, rows, all axes, the
+#: batch-norm statistics of NCL data, a middle axis.
+_STABLE_MOMENTS = {
+    "axis0": ((2048, 3), 0),
+    "last": ((3, 2048), -1),
+    "all": ((4096,), None),
+    "batch-stats": ((64, 3, 32), (0, 2)),
+    "middle": ((3, 2048, 2), 1),
+}
+
+
+@pytest.mark.parametrize("offset", list(_OFFSETS))
+@pytest.mark.parametrize("pattern", list(_STABLE_MOMENTS))
+@pytest.mark.parametrize("case", [p for p in cases("moments") if p.values[0].dtype == "float32"])
+def test_float32_moments_with_large_offset_on_every_pattern(case, pattern, offset):
+    """The variance of offset float32 data is as accurate as that of the same data centred, on every backend
+    and reduction pattern; naive E[x²] − E[x]² in float32 is not."""
+    shape, axis = _STABLE_MOMENTS[pattern]
+    mean, std = _OFFSETS[offset]
+    noise = np.random.default_rng(4).normal(0.0, std, shape)
+    errors = []
+    for shift in (0.0, mean):
+        x32 = (noise + shift).astype(np.float32)
+        x64 = x32.astype(np.float64)
+        with case.use():
+            m, v = pnn.moments(case.asarray(x32), axis)
+        assert float(np.max(np.abs(to_numpy(m) - x64.mean(axis=axis)))) <= 1e-6 * max(mean, 1.0)
+        errors.append(rel_err(v, x64.var(axis=axis)))
+    naive = (x32 * x32).mean(axis=axis, dtype=np.float32) - x32.mean(axis=axis, dtype=np.float32) ** 2
+    assert errors[1] <= max(8 * errors[0], 1e-5), f"offset {errors[1]:.2e} vs centred {errors[0]:.2e}"
+    assert not rel_err(naive, x64.var(axis=axis)) <= 1e-3, "naive E[x²]−E[x]² should fail this check"
+
+
 # --------------------------------------------------------------------------- zero-size batches
 
 

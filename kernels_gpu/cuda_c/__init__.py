@@ -23,6 +23,20 @@ GPU_SUPPORT = dict(
 CUPY_PRIORITY = 4
 
 
+register_builtin(
+    "moments",
+    "cupy",
+    forward="kernels_gpu.cuda_c.norm:moments_forward",
+    backward="kernels_gpu.cuda_c.norm:moments_backward",
+    supports=Support(
+        dtypes=("float32", "float64", "float16", "bfloat16"),
+        description="any axes, keepdims, any correction, no transpose; float32 mean/var for half x; "
+        "shifted sums, deterministic block reductions",
+        **GPU_SUPPORT,
+    ),
+    priority=CUPY_PRIORITY,
+)
+
 for _op in ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm"):
     register_builtin(
         _op,

@@ -1,4 +1,4 @@
-// Norm kernels (batch, layer, group, instance, rms), forward and backward, for every layout.
+// Norm kernels (batch, layer, group, instance, rms), forward and backward, for every layout; moments at the end.
 //
 // Every norm is one computation on the canonical view of a C-contiguous x (see norm.py):
 //     x4 = x.reshape(nn, pp, cc, qq)     statistics per group (i, c) over (p, q)
@@ -390,5 +390,195 @@ __global__ void norm_param_finalize(const typename acc_of<T>::type* part_a, cons
     if (threadIdx.x == 0) {
         if (dw) dw[j] = from_acc<PT>(sb);
         if (db) db[j] = from_acc<PT>(sa);
+    }
+}
+
+// --------------------------------------------------------------------------- moments
+//
+// moments over any axes, on the plan of kernels_cpu.norm.moments_plan: x is rows of length L and
+//     row(kk, rr) = (ktab ? ktab[kk] : kk * kstride) + (rtab ? rtab[rr] : rr * rstride);
+// row mode (lk = 1): group g = kk holds its rows row(g, rr) whole; column mode (lk = L): group
+// g = kk * L + j holds column j of the rows row(kk, rr).  Groups are in the output's order.  A
+// group's first element is its shift, shared by all of the group's partial sums, so partials add
+// exactly.  Results are in the accumulation type A (float for float/half/bfloat16 data, double
+// for double): mean and var, and for the backward the shift and the centred mean cm = Σ(x − shift)/n
+// kept apart, so dx can form (x − shift) − cm without rounding the data's offset.
+
+struct MomGeom {
+    long long L, kstride, rstride;
+    const long long* ktab;
+    const long long* rtab;
+
+    __device__ __forceinline__ long long row(long long kk, long long rr) const {
+        return (ktab ? ktab[kk] : kk * kstride) + (rtab ? rtab[rr] : rr * rstride);
+    }
+};
+
+// mean = shift + cm, var = (Σd² − Σd · cm) / (n − correction) (NaN when n <= correction).
+template <class A>
+__device__ __forceinline__ void moments_store(long long g, A shift, A s1, A s2, long long n, double correction,
+                                              A* mean, A* var, A* sh, A* cm) {
+    const A c = s1 / A(n);
+    const double denom = static_cast<double>(n) - correction;
+    A v = static_cast<A>(__int_as_float(0x7fc00000));
+    if (denom > 0) {
+        v = (s2 - s1 * c) / A(denom);
+        if (v < A(0)) v = A(0);  // rounding only: NaN data keeps a NaN variance
+    }
+    mean[g] = shift + c;
+    var[g] = v;
+    sh[g] = shift;
+    cm[g] = c;
+}
+
+// Row mode, block (g, k): shifted sums of chunk k of group g, the rows rc·rper … (rc = k / qsplits)
+// restricted to the columns q0 … q0 + qper of each.  The 1-D block is a tx × (blockDim.x / tx) tile
+// (tx a power of two): lanes along a row and across rows, so short rows keep every thread busy.
+// One chunk per group (gridDim.y == 1): the block stores the group's results; else its partial sums
+// go to part[g · gridDim.y + k].
+template <class T>
+__global__ void moments_rows(const T* x, typename acc_of<T>::type* part_a, typename acc_of<T>::type* part_b,
+                             typename acc_of<T>::type* mean, typename acc_of<T>::type* var,
+                             typename acc_of<T>::type* sh, typename acc_of<T>::type* cm, long long L,
+                             long long kstride, const long long* ktab, long long rstride, const long long* rtab,
+                             long long rout, long long rper, long long qper, long long qsplits, long long tx,
+                             double correction) {
+    typedef typename acc_of<T>::type A;
+    const MomGeom geo = {L, kstride, rstride, ktab, rtab};
+    const long long g = blockIdx.x, k = blockIdx.y;
+    const long long rc = k / qsplits;
+    const long long q0 = (k - rc * qsplits) * qper, q1 = min(L, q0 + qper);
+    const long long r1 = min(rout, (rc + 1) * rper);
+    const long long lane = threadIdx.x & (tx - 1), ny = blockDim.x / tx;
+    const A shift = static_cast<A>(to_acc(x[geo.row(g, 0) * L]));
+    A s1 = 0, s2 = 0;
+    for (long long rr = rc * rper + threadIdx.x / tx; rr < r1; rr += ny) {
+        const long long base = geo.row(g, rr) * L;
+        for (long long q = q0 + lane; q < q1; q += tx) {
+            const A d = static_cast<A>(to_acc(x[base + q])) - shift;
+            s1 += d;
+            s2 += d * d;
+        }
+    }
+    block_sum2(s1, s2, shared_as<A>());
+    if (threadIdx.x == 0) {
+        if (gridDim.y == 1) {
+            moments_store(g, shift, s1, s2, rout * L, correction, mean, var, sh, cm);
+        } else {
+            part_a[g * gridDim.y + k] = s1;
+            part_b[g * gridDim.y + k] = s2;
+        }
+    }
+}
+
+// Groups too small to fill a block (either mode): one thread per group g = kk · lk + j (consecutive
+// threads read neighbouring columns in column mode), grid-strided; the group's results stored.
+template <class T>
+__global__ void moments_small(const T* x, typename acc_of<T>::type* mean, typename acc_of<T>::type* var,
+                              typename acc_of<T>::type* sh, typename acc_of<T>::type* cm, long long L, long long lk,
+                              long long kstride, const long long* ktab, long long rstride, const long long* rtab,
+                              long long groups, long long rout, double correction) {
+    typedef typename acc_of<T>::type A;
+    const MomGeom geo = {L, kstride, rstride, ktab, rtab};
+    const long long lr = L / lk;
+    for (long long g = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups;
+         g += static_cast<long long>(gridDim.x) * blockDim.x) {
+        const long long kk = g / lk, j = g - kk * lk;
+        const A shift = static_cast<A>(to_acc(x[geo.row(kk, 0) * L + j]));
+        A s1 = 0, s2 = 0;
+        for (long long rr = 0; rr < rout; ++rr) {
+            const long long base = geo.row(kk, rr) * L + j;
+            for (long long q = 0; q < lr; ++q) {
+                const A d = static_cast<A>(to_acc(x[base + q])) - shift;
+                s1 += d;
+                s2 += d * d;
+            }
+        }
+        moments_store(g, shift, s1, s2, rout * lr, correction, mean, var, sh, cm);
+    }
+}
+
+// Column mode: 2-D blocks, threadIdx.x along the columns j (coalesced), threadIdx.y across rows.
+// Block (column tile, u), u = kk · rsplits + k grid-strided over y, sums column j of the rows
+// k·rper … of kk.  rsplits == 1: it stores the results of group kk · L + j; else part[u · L + j].
+template <class T>
+__global__ void moments_cols(const T* x, typename acc_of<T>::type* part_a, typename acc_of<T>::type* part_b,
+                             typename acc_of<T>::type* mean, typename acc_of<T>::type* var,
+                             typename acc_of<T>::type* sh, typename acc_of<T>::type* cm, long long L,
+                             long long kstride, const long long* ktab, long long rstride, const long long* rtab,
+                             long long kout, long long rout, long long rper, long long rsplits, double correction) {
+    typedef typename acc_of<T>::type A;
+    const MomGeom geo = {L, kstride, rstride, ktab, rtab};
+    const long long j = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    for (long long u = blockIdx.y; u < kout * rsplits; u += gridDim.y) {
+        const long long kk = u / rsplits, k = u - kk * rsplits;
+        A shift = 0, s1 = 0, s2 = 0;
+        if (j < L) {
+            shift = static_cast<A>(to_acc(x[geo.row(kk, 0) * L + j]));
+            const long long r1 = min(rout, (k + 1) * rper);
+            for (long long rr = k * rper + threadIdx.y; rr < r1; rr += blockDim.y) {
+                const A d = static_cast<A>(to_acc(x[geo.row(kk, rr) * L + j])) - shift;
+                s1 += d;
+                s2 += d * d;
+            }
+        }
+        column_sum2(s1, s2, shared_as<A>());
+        if (threadIdx.y == 0 && j < L) {
+            if (rsplits == 1) {
+                moments_store(kk * L + j, shift, s1, s2, rout, correction, mean, var, sh, cm);
+            } else {
+                part_a[u * L + j] = s1;
+                part_b[u * L + j] = s2;
+            }
+        }
+        __syncthreads();  // the next unit reuses the shared memory
+    }
+}
+
+// One thread per group g = kk · lk + j: its partial sums part[(kk · splits + k) · lk + j], k < splits,
+// added in a fixed order, then the results stored (n elements per group).
+template <class T>
+__global__ void moments_finalize(const T* x, const typename acc_of<T>::type* part_a,
+                                 const typename acc_of<T>::type* part_b, typename acc_of<T>::type* mean,
+                                 typename acc_of<T>::type* var, typename acc_of<T>::type* sh,
+                                 typename acc_of<T>::type* cm, long long L, long long lk, long long kstride,
+                                 const long long* ktab, long long groups, long long splits, long long n,
+                                 double correction) {
+    typedef typename acc_of<T>::type A;
+    const long long g = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (g >= groups) return;
+    const long long kk = g / lk, j = g - kk * lk;
+    A s1 = 0, s2 = 0;
+    for (long long k = 0; k < splits; ++k) {
+        s1 += part_a[(kk * splits + k) * lk + j];
+        s2 += part_b[(kk * splits + k) * lk + j];
+    }
+    const long long first = (ktab ? ktab[kk] : kk * kstride) * L + j;
+    moments_store(g, static_cast<A>(to_acc(x[first])), s1, s2, n, correction, mean, var, sh, cm);
+}
+
+// dx = dmean · inv_n + dvar · two_over_denom · ((x − shift) − cm) with the element's group's values
+// (a null dmean or dvar contributes nothing).  2-D blocks: threadIdx.x along the row (i < L),
+// threadIdx.y over the rows in (kk, rr) order, kk · rout + rr, grid-strided over y: short rows and few
+// rows per kk still fill the block.  Every element is written once.
+template <class T>
+__global__ void moments_dx(const T* x, const typename acc_of<T>::type* dmean, const typename acc_of<T>::type* dvar,
+                           const typename acc_of<T>::type* sh, const typename acc_of<T>::type* cm, T* dx, long long L,
+                           long long lk, long long kstride, const long long* ktab, long long rstride,
+                           const long long* rtab, long long kout, long long rout, double inv_n,
+                           double two_over_denom) {
+    typedef typename acc_of<T>::type A;
+    const MomGeom geo = {L, kstride, rstride, ktab, rtab};
+    const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= L) return;
+    const long long rows = kout * rout;
+    for (long long r = static_cast<long long>(blockIdx.y) * blockDim.y + threadIdx.y; r < rows;
+         r += static_cast<long long>(gridDim.y) * blockDim.y) {
+        const long long kk = r / rout, rr = r - kk * rout;
+        const long long g = kk * lk + (lk > 1 ? i : 0);
+        const A ca = dmean ? dmean[g] * A(inv_n) : A(0);
+        const A cb = dvar ? dvar[g] * A(two_over_denom) : A(0);
+        const long long o = geo.row(kk, rr) * L + i;
+        dx[o] = from_acc<T>(ca + cb * ((static_cast<A>(to_acc(x[o])) - sh[g]) - cm[g]));
     }
 }

@@ -1,4 +1,4 @@
-"""Launchers of the CUDA C norm kernels (``norm.cu``): batch, layer, group, instance and rms norm.
+"""Launchers of the CUDA C norm kernels (``norm.cu``): batch, layer, group, instance and rms norm, and moments.
 
 Every norm runs on the canonical view of a C-contiguous ``x`` (the same as the Numba CPU kernels)::
 
@@ -29,6 +29,9 @@ Statistics are float32 for float32/float16/bfloat16 data (float64 for float64); 
 have ``x``'s dtype, parameter gradients the parameters' dtype.  Block sizes and the work
 targets below are module settings, read at call time, so tests can force multi-block paths on
 tiny inputs.
+
+``moments`` (any axes) runs on the plan of ``portable_nn.kernel_plans.moments_plan`` with its own kernels
+(the end of ``norm.cu`` and of this module).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from portable_nn.kernel_plans import moments_plan, moments_shape, pow2_at_most, row_splits
 
 from . import _runtime as rt
 
@@ -53,16 +58,20 @@ TARGET_BLOCKS = 528
 SPLIT_MIN_ELEMENTS = 4096
 #: Column mode is used when the groups' contiguous runs are shorter than this.
 COLUMN_MODE_BELOW = 32
+#: moments: groups of fewer elements than this are summed by one thread each.
+MOMENTS_THREAD_BELOW = 32
 
 _ROW_KERNELS = ("norm_fwd_fused", "norm_col_partial", "norm_apply", "norm_bwd_fused", "norm_bwd_partial",
                 "norm_bwd_group_finalize", "norm_bwd_dx", "norm_param_finalize")
 _DATA_KERNELS = ("norm_stats_partial", "norm_stats_finalize")
+_MOMENTS_KERNELS = ("moments_rows", "moments_small", "moments_cols", "moments_finalize", "moments_dx")
 
 
 def kernel_names() -> list[str]:
     """Every instantiation the launcher may use (compiled together as one module)."""
     names = [f"{k}<{t}, {p}>" for k in _ROW_KERNELS for t, p in rt.TYPE_PAIRS]
-    names += [f"{k}<{t}>" for k in _DATA_KERNELS for t in ("float", "double", "pnn_half", "pnn_bf16")]
+    names += [f"{k}<{t}>" for k in (*_DATA_KERNELS, *_MOMENTS_KERNELS)
+              for t in ("float", "double", "pnn_half", "pnn_bf16")]
     return names
 
 
@@ -401,3 +410,128 @@ def norm_backward(residuals: Any, cotangents: Any, needs: Any, out: Any = None) 
     if "bias" in needs:
         grads["bias"] = rt.into(out, "bias", db.reshape(call.bias.shape)) if need_b else None
     return grads
+
+
+# --------------------------------------------------------------------------- moments
+#
+# The plan (which rows each group reads, see ``portable_nn.kernel_plans.moments_plan``) is pure Python shared
+# with the Numba kernels.  Paths:
+# ``small`` (one thread per group, groups under MOMENTS_THREAD_BELOW elements), ``rows`` (row mode: a
+# block per group, or per chunk of it plus a merging pass) and ``cols`` (column mode: 2-D blocks of
+# columns × row lanes, split along the rows plus a merging pass when there are few).  dx is one
+# elementwise kernel whatever the path.
+
+
+def _tables(plan: Any, xp: Any) -> list:
+    """The row-offset arguments (kstride, ktab, rstride, rtab); empty tables pass as null pointers."""
+    ktab = xp.asarray(plan.ktab) if plan.ktab.size else None
+    rtab = xp.asarray(plan.rtab) if plan.rtab.size else None
+    return [rt.i64(plan.kstride), rt.ptr(ktab), rt.i64(plan.rstride), rt.ptr(rtab)]
+
+
+def _unit_splits(units: int, rows: int, width: int) -> tuple[int, int]:
+    """(rows per split, splits): each of ``units`` column tiles (``width`` elements of each of ``rows``
+    rows) split along the rows until about TARGET_BLOCKS blocks, none under SPLIT_MIN_ELEMENTS elements."""
+    want = max(1, rt.blocks(TARGET_BLOCKS, max(units, 1)))
+    most = max(1, rt.blocks(rows * width, max(SPLIT_MIN_ELEMENTS, 1)))
+    splits = max(1, min(want, most, rows))
+    rper = rt.blocks(rows, splits)
+    return rper, rt.blocks(rows, rper)
+
+
+def moments_path(plan: Any) -> str:
+    """``small`` (a thread per group: small groups), ``cols`` (column mode) or ``rows`` (a block per chunk)."""
+    if plan.n < MOMENTS_THREAD_BELOW:
+        return "small"
+    return "cols" if plan.column else "rows"
+
+
+def _moments_sums(call: Any, plan: Any, x: Any, xp: Any, outs: list, tables: list) -> None:
+    """Launch the reduction of ``plan``'s path (and the merging pass when groups are split)."""
+    t = rt.ctype(call.dtype)
+    acc = rt.acc_dtype(call.dtype)
+    corr = rt.f64(call.correction)
+    path = moments_path(plan)
+    if path == "small":
+        rt.launch(FAMILY, f"moments_small<{t}>", (min(rt.blocks(plan.groups, APPLY_BLOCK), 65535),), (APPLY_BLOCK,),
+                  [x, *outs, rt.i64(plan.L), rt.i64(plan.lk), *tables, rt.i64(plan.groups), rt.i64(plan.rout), corr])
+        return
+    if path == "rows":
+        # A block no larger than the group (and at least a warp): short groups keep every thread busy.
+        block = pow2_at_most(max(plan.n, 32), rt.check_block(BLOCK, "BLOCK"))
+        splits = 1
+        if plan.groups < TARGET_BLOCKS and plan.n > SPLIT_MIN_ELEMENTS:
+            splits = min(rt.blocks(plan.n, SPLIT_MIN_ELEMENTS), rt.blocks(TARGET_BLOCKS, plan.groups), 65535)
+        rper, rsplits, qper, qsplits = row_splits(plan, splits)
+        splits = rsplits * qsplits
+        part_a = xp.empty(plan.groups * splits, acc) if splits > 1 else None
+        part_b = xp.empty(plan.groups * splits, acc) if splits > 1 else None
+        rt.launch(FAMILY, f"moments_rows<{t}>", (plan.groups, splits), (block,),
+                  [x, rt.ptr(part_a), rt.ptr(part_b), *outs, rt.i64(plan.L), *tables, rt.i64(plan.rout),
+                   rt.i64(rper), rt.i64(qper), rt.i64(qsplits), rt.i64(pow2_at_most(plan.L, block)), corr],
+                  _shared(block, acc))
+    else:
+        threads = rt.check_block(COLUMN_BLOCK[0] * COLUMN_BLOCK[1], "COLUMN_BLOCK threads")
+        bx = pow2_at_most(plan.L, COLUMN_BLOCK[0])
+        by = threads // bx
+        tiles = rt.blocks(plan.L, bx)
+        rper, splits = _unit_splits(tiles * plan.kout, plan.rout, min(plan.L, bx))
+        part_a = xp.empty(plan.kout * splits * plan.L, acc) if splits > 1 else None
+        part_b = xp.empty(plan.kout * splits * plan.L, acc) if splits > 1 else None
+        rt.launch(FAMILY, f"moments_cols<{t}>", (tiles, min(plan.kout * splits, 65535)), (bx, by),
+                  [x, rt.ptr(part_a), rt.ptr(part_b), *outs, rt.i64(plan.L), *tables, rt.i64(plan.kout),
+                   rt.i64(plan.rout), rt.i64(rper), rt.i64(splits), corr], _shared(threads, acc))
+    if splits > 1:
+        rt.launch(FAMILY, f"moments_finalize<{t}>", (rt.blocks(plan.groups, APPLY_BLOCK),), (APPLY_BLOCK,),
+                  [x, part_a, part_b, *outs, rt.i64(plan.L), rt.i64(plan.lk), *tables[:2], rt.i64(plan.groups),
+                   rt.i64(splits), rt.i64(plan.n), corr])
+
+
+def moments_forward(call: Any) -> tuple[tuple[Any, Any], Any]:
+    """``moments``: ``(mean, var)`` over ``call.axes``, float32 for float32/float16/bfloat16 data.
+
+    Residuals: ``(x, shift, centred mean, plan, call)`` (see ``norm.cu``).
+    """
+    x = call.x
+    xp = rt.array_module(x)
+    plan = moments_plan(tuple(x.shape), call.axes)
+    shape = moments_shape(tuple(x.shape), call.axes, call.keepdims)
+    acc = rt.acc_dtype(call.dtype)
+    if x.size == 0:  # an empty reduction is undefined (NaN, as in NumPy); otherwise there are no groups
+        return (xp.full(shape, math.nan, acc), xp.full(shape, math.nan, acc)), (
+            (x, None, None, plan, call) if call.save else None)
+    outs = [xp.empty(plan.groups, acc) for _ in range(4)]  # mean, var, shift, centred mean
+    _moments_sums(call, plan, x, xp, outs, _tables(plan, xp))
+    mean, var, shift, cm = outs
+    residuals = (x, shift, cm, plan, call) if call.save else None
+    return (mean.reshape(shape), var.reshape(shape)), residuals
+
+
+def moments_backward(residuals: Any, cotangents: Any, needs: Any, out: Any = None) -> dict[str, Any]:
+    """dx = dmean / n + dvar · 2 (x − mean) / (n − correction) in one elementwise kernel."""
+    x, shift, cm, plan, call = residuals
+    if "x" not in needs:
+        return {}
+    out = out or {}
+    xp = rt.array_module(x)
+    given = out.get("x")
+    ok = given is not None and given.dtype == x.dtype and given.flags.c_contiguous
+    dx = given if ok else xp.empty_like(x)
+    dmean, dvar = cotangents
+    denom = plan.n - call.correction
+    if denom <= 0:
+        dvar = None  # var is NaN: it has no gradient (as in the reference)
+    if x.size == 0 or (dmean is None and dvar is None):
+        dx.reshape(-1).view(xp.uint8).fill(0)  # byte-wise: bfloat16 arrays need no arithmetic support
+        return {"x": rt.into(out, "x", dx)}
+    acc = rt.acc_dtype(call.dtype)
+    dmean, dvar = (None if c is None else xp.ascontiguousarray(c.reshape(-1), dtype=acc) for c in (dmean, dvar))
+    block = rt.check_block(APPLY_BLOCK, "APPLY_BLOCK")
+    bx = pow2_at_most(plan.L, block)
+    by = block // bx
+    rows = plan.kout * plan.rout
+    rt.launch(FAMILY, f"moments_dx<{rt.ctype(call.dtype)}>", (rt.blocks(plan.L, bx), min(rt.blocks(rows, by), 65535)),
+              (bx, by),
+              [x, rt.ptr(dmean), rt.ptr(dvar), shift, cm, dx, rt.i64(plan.L), rt.i64(plan.lk), *_tables(plan, xp),
+               rt.i64(plan.kout), rt.i64(plan.rout), rt.f64(1.0 / plan.n), rt.f64(2.0 / denom if denom > 0 else 0.0)])
+    return {"x": rt.into(out, "x", dx)}

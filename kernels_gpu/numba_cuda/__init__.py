@@ -26,6 +26,20 @@ GPU_SUPPORT = dict(
 NUMBA_CUDA_PRIORITY = 3
 _PKG = "kernels_gpu.numba_cuda"
 
+register_builtin(
+    "moments",
+    "numba_cuda",
+    forward=f"{_PKG}.norm:moments_forward",
+    backward=f"{_PKG}.norm:moments_backward",
+    supports=Support(
+        dtypes=("float16", "bfloat16", "float32", "float64"),
+        description="any axes, keepdims, any correction, no transpose; float32 mean/var for half x; "
+                    "float64 shifted sums, deterministic",
+        **GPU_SUPPORT,
+    ),
+    priority=NUMBA_CUDA_PRIORITY,
+)
+
 for _op in ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm"):
     register_builtin(
         _op,

@@ -1,4 +1,4 @@
-"""Numba-CUDA kernels for every norm, forward and backward (backend ``"numba_cuda"``).
+"""Numba-CUDA kernels for every norm and ``moments``, forward and backward (backend ``"numba_cuda"``).
 
 All five norms share one view of a C-contiguous ``x`` (the CPU kernels' canonical form)::
 
@@ -29,6 +29,8 @@ plus a fixed-order second pass: no atomics, results are deterministic.
 Statistics and gradient sums accumulate in float64; elementwise work runs in the compute type
 (float32 for float16/bfloat16/float32 data, with the mean split into two float32 halves so
 data far from zero keeps its precision).
+
+``moments`` (any axes) has its own plan and kernels at the end of the module.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import math
 import numpy as np
 from numba import cuda, float64
 
-from kernels_cpu.norm import canonical
+from portable_nn.kernel_plans import canonical, moments_plan, moments_shape, pow2_at_most, row_splits
 
 from . import _runtime as rt
 from ._runtime import compute_cast, device, kernel, load, store
@@ -560,3 +562,303 @@ def _out_buffer(buffer, like, xp):
             and buffer.flags.c_contiguous and rt.array_module(buffer) is xp):
         return buffer
     return xp.empty_like(like)
+
+
+# --------------------------------------------------------------------------- moments
+#
+# moments over any axes, on the plan of portable_nn.kernel_plans.moments_plan: x is rows of length L and
+# row(kk, rr) = off_k(kk) + off_r(rr) (a table when non-empty, else idx · stride); row mode (lk = 1):
+# group g = kk holds its rows whole; column mode (lk = L): group g = kk·L + j holds column j of its
+# rows.  Groups are in the output's order.  A group's first element is its shift, shared by all of
+# its partial sums (float64), so partials add exactly; the backward keeps the shift and the centred
+# mean apart, so (x − shift) − cm keeps the data's offset out of the rounding.  Paths:
+#
+# * ``small``: groups under ``column_below`` elements (either mode), one thread per group;
+# * ``rows``: row mode, a block per (group, chunk), its threads a tile along and across rows;
+# * ``cols``: column mode, 2-D blocks (columns × row lanes) per (kk, row chunk);
+#
+# split groups leave partial sums that a second kernel adds in a fixed order: deterministic.
+
+_MOM_OUT = "{c}[::1], {c}[::1], float64[::1], float64[::1]"  # mean, var, shift, centred mean
+_MOM_TAB = f"{_I}, {_I}[::1], {_I}, {_I}[::1]"  # kstride, ktab, rstride, rtab
+_MOM_ROWS = (f"void({{x}}[::1], float64[::1], float64[::1], {_MOM_OUT}, {_I}, {_MOM_TAB}, {_I}, {_I}, {_I}, {_I}, "
+             f"{_I}, float64)")
+_MOM_SMALL = f"void({{x}}[::1], {_MOM_OUT}, {_I}, {_I}, {_MOM_TAB}, {_I}, {_I}, float64)"
+_MOM_COLS = (f"void({{x}}[::1], float64[::1], float64[::1], {_MOM_OUT}, {_I}, {_MOM_TAB}, {_I}, {_I}, {_I}, {_I}, "
+             f"float64)")
+_MOM_FIN = f"void({{x}}[::1], float64[::1], float64[::1], {_MOM_OUT}, {_I}, {_I}, {_I}, {_I}[::1], {_I}, {_I}, float64)"
+_MOM_DX = (f"void({{x}}[::1], {{c}}[::1], {{c}}[::1], float64[::1], float64[::1], {{x}}[::1], {_I}, {_I}, "
+           f"{_MOM_TAB}, {_I}, {_I}, float64, float64)")
+
+
+@device
+def _mom_row(kk, rr, kstride, ktab, rstride, rtab):
+    """row(kk, rr) = off_k(kk) + off_r(rr)."""
+    a = ktab[kk] if ktab.shape[0] > 0 else kk * kstride
+    b = rtab[rr] if rtab.shape[0] > 0 else rr * rstride
+    return a + b
+
+
+@device
+def _mom_store(g, shift, s1, s2, n, correction, mean, var, sh, cm):
+    """mean = shift + cm, var = (Σd² − Σd·cm)/(n − correction), NaN when n <= correction."""
+    c = s1 / n
+    v = math.nan
+    if n - correction > 0:
+        v = (s2 - s1 * c) / (n - correction)
+        if v < 0.0:  # rounding only: NaN data keeps a NaN variance
+            v = 0.0
+    mean[g] = shift + c
+    var[g] = v
+    sh[g] = shift
+    cm[g] = c
+
+
+@kernel(_MOM_ROWS)
+def _mom_rows(x, p1, p2, mean, var, sh, cm, L, kstride, ktab, rstride, rtab, rout, rper, qper, qsplits, tx,
+              correction):
+    """Block (g, k): chunk k of group g (rows rc·rper…, columns q0…q0+qper); the 1-D block is a tile of
+    tx lanes along the rows × blockDim/tx across them.  One chunk: results stored, else partials."""
+    s1sh = cuda.shared.array(MAX_THREADS, float64)
+    s2sh = cuda.shared.array(MAX_THREADS, float64)
+    g = cuda.blockIdx.x
+    k = cuda.blockIdx.y
+    splits = cuda.gridDim.y
+    rc = k // qsplits
+    q0 = (k - rc * qsplits) * qper
+    q1 = min(L, q0 + qper)
+    r1 = min(rout, (rc + 1) * rper)
+    t = cuda.threadIdx.x
+    lane = t % tx
+    shift = np.float64(load(x, _mom_row(g, 0, kstride, ktab, rstride, rtab) * L))
+    a = 0.0
+    b = 0.0
+    rr = rc * rper + t // tx
+    while rr < r1:
+        base = _mom_row(g, rr, kstride, ktab, rstride, rtab) * L
+        q = q0 + lane
+        while q < q1:
+            d = np.float64(load(x, base + q)) - shift
+            a += d
+            b += d * d
+            q += tx
+        rr += cuda.blockDim.x // tx
+    a, b = _block_sum2(s1sh, s2sh, a, b)
+    if t == 0:
+        if splits == 1:
+            _mom_store(g, shift, a, b, rout * L, correction, mean, var, sh, cm)
+        else:
+            p1[g * splits + k] = a
+            p2[g * splits + k] = b
+
+
+@kernel(_MOM_SMALL)
+def _mom_small(x, mean, var, sh, cm, L, lk, kstride, ktab, rstride, rtab, rout, groups, correction):
+    """Groups of few elements (either mode): one thread per group g = kk·lk + j, grid-strided, results stored."""
+    g = cuda.grid(1)
+    lr = L // lk
+    while g < groups:
+        kk = g // lk
+        j = g - kk * lk
+        shift = np.float64(load(x, _mom_row(kk, 0, kstride, ktab, rstride, rtab) * L + j))
+        a = 0.0
+        b = 0.0
+        for rr in range(rout):
+            base = _mom_row(kk, rr, kstride, ktab, rstride, rtab) * L + j
+            for q in range(lr):
+                d = np.float64(load(x, base + q)) - shift
+                a += d
+                b += d * d
+        _mom_store(g, shift, a, b, rout * lr, correction, mean, var, sh, cm)
+        g += cuda.gridsize(1)
+
+
+@kernel(_MOM_COLS)
+def _mom_cols(x, p1, p2, mean, var, sh, cm, L, kstride, ktab, rstride, rtab, kout, rout, rper, rsplits, correction):
+    """Column mode: 2-D block (column tile × row lanes); block row u = kk·rsplits + k (grid-strided) sums
+    column j of the rows k·rper… of kk.  rsplits == 1: results stored, else partials p[u·L + j]."""
+    s1sh = cuda.shared.array(MAX_THREADS, float64)
+    s2sh = cuda.shared.array(MAX_THREADS, float64)
+    tx = cuda.threadIdx.x
+    ty = cuda.threadIdx.y
+    TX = cuda.blockDim.x
+    j = cuda.blockIdx.x * TX + tx
+    lane = ty * TX + tx
+    u = cuda.blockIdx.y
+    while u < kout * rsplits:
+        kk = u // rsplits
+        k = u - kk * rsplits
+        shift = 0.0
+        a = 0.0
+        b = 0.0
+        if j < L:
+            shift = np.float64(load(x, _mom_row(kk, 0, kstride, ktab, rstride, rtab) * L + j))
+            r1 = min(rout, (k + 1) * rper)
+            rr = k * rper + ty
+            while rr < r1:
+                d = np.float64(load(x, _mom_row(kk, rr, kstride, ktab, rstride, rtab) * L + j)) - shift
+                a += d
+                b += d * d
+                rr += cuda.blockDim.y
+        s1sh[lane] = a
+        s2sh[lane] = b
+        cuda.syncthreads()
+        step = cuda.blockDim.y // 2
+        while step > 0:
+            if ty < step:
+                s1sh[lane] += s1sh[lane + step * TX]
+                s2sh[lane] += s2sh[lane + step * TX]
+            cuda.syncthreads()
+            step //= 2
+        if ty == 0 and j < L:
+            if rsplits == 1:
+                _mom_store(kk * L + j, shift, s1sh[tx], s2sh[tx], rout, correction, mean, var, sh, cm)
+            else:
+                p1[u * L + j] = s1sh[tx]
+                p2[u * L + j] = s2sh[tx]
+        cuda.syncthreads()  # the next block row reuses the shared arrays
+        u += cuda.gridDim.y
+
+
+@kernel(_MOM_FIN)
+def _mom_finalize(x, p1, p2, mean, var, sh, cm, L, lk, kstride, ktab, splits, n, correction):
+    """Second pass, one thread per group g = kk·lk + j: Σ_k p[(kk·splits + k)·lk + j] in order, results."""
+    g = cuda.grid(1)
+    if g >= mean.shape[0]:
+        return
+    kk = g // lk
+    j = g - kk * lk
+    a = 0.0
+    b = 0.0
+    for k in range(splits):
+        a += p1[(kk * splits + k) * lk + j]
+        b += p2[(kk * splits + k) * lk + j]
+    first = (ktab[kk] if ktab.shape[0] > 0 else kk * kstride) * L + j
+    _mom_store(g, np.float64(load(x, first)), a, b, n, correction, mean, var, sh, cm)
+
+
+@kernel(_MOM_DX)
+def _mom_dx(x, dmean, dvar, sh, cm, dx, L, lk, kstride, ktab, rstride, rtab, kout, rout, inv_n, two_over_denom):
+    """dx = dmean·inv_n + dvar·two_over_denom·((x − shift) − cm) in the compute type (an empty dmean or
+    dvar contributes nothing).  2-D blocks: threadIdx.x along the row, threadIdx.y over the rows in
+    (kk, rr) order (grid-strided), so short rows still fill the block; every element once."""
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i >= L:
+        return
+    r = cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y
+    while r < kout * rout:
+        kk = r // rout
+        rr = r - kk * rout
+        g = kk * lk + (i if lk > 1 else 0)
+        ca = compute_cast(dmean, dmean[g] * inv_n if dmean.shape[0] > 0 else 0.0)
+        cb = compute_cast(dmean, dvar[g] * two_over_denom if dvar.shape[0] > 0 else 0.0)
+        o = _mom_row(kk, rr, kstride, ktab, rstride, rtab) * L + i
+        store(dx, o, ca + cb * ((load(x, o) - compute_cast(dmean, sh[g])) - compute_cast(dmean, cm[g])))
+        r += cuda.gridDim.y * cuda.blockDim.y
+
+
+def _mom_tables(plan, xp):
+    """(kstride, ktab, rstride, rtab) as kernel arguments (empty tables: idx · stride).
+
+    Copies: the plan's tables are read-only, and the simulator writes every array argument back.
+    """
+    return plan.kstride, xp.array(plan.ktab), plan.rstride, xp.array(plan.rtab)
+
+
+def _unit_splits(units: int, rows: int, width: int) -> tuple[int, int]:
+    """(rows per split, splits) of ``units`` column tiles of ``width`` × ``rows`` elements each."""
+    s = rt.settings()
+    want = max(1, -(-s.target_blocks // max(units, 1)))
+    most = max(1, -(-(rows * width) // max(s.min_chunk, 1)))
+    splits = max(1, min(want, most, rows))
+    rper = -(-rows // splits)
+    return rper, -(-rows // rper)
+
+
+def moments_path(plan) -> str:
+    """``small``, ``cols`` or ``rows`` (see the section comment)."""
+    if plan.n < rt.settings().column_below:
+        return "small"
+    return "cols" if plan.column else "rows"
+
+
+def _moments_sums(call, plan, x, xp, outs, tables):
+    """Launch the reduction of the plan's path, and the second pass when groups were split."""
+    s = rt.settings()
+    corr = float(call.correction)
+    path = moments_path(plan)
+    if path == "small":
+        rt.launch(_mom_small, rt.blocks_for(plan.groups, s.block), s.block, x, *outs, plan.L, plan.lk, *tables,
+                  plan.rout, plan.groups, corr)
+        return
+    if path == "rows":
+        want = 1 if plan.groups >= s.target_blocks else rt.chunks(plan.groups, plan.n, s.min_chunk)
+        rper, rsplits, qper, qsplits = row_splits(plan, want)
+        splits = rsplits * qsplits
+        p1 = xp.empty(plan.groups * splits if splits > 1 else 0, np.float64)
+        p2 = xp.empty_like(p1)
+        # A block no larger than the group (and at least a warp): short groups keep every thread busy.
+        block = pow2_at_most(max(plan.n, 32), s.block)
+        rt.launch(_mom_rows, (plan.groups, splits), block, x, p1, p2, *outs, plan.L, *tables, plan.rout, rper,
+                  qper, qsplits, pow2_at_most(plan.L, block), corr)
+    else:
+        bx = pow2_at_most(plan.L, s.tile_x)
+        by = s.tile_y * max(1, s.tile_x // bx)  # a power of two, as the shared-memory tree needs
+        tiles = -(-plan.L // bx)
+        rper, splits = _unit_splits(tiles * plan.kout, plan.rout, min(plan.L, bx))
+        p1 = xp.empty(plan.kout * splits * plan.L if splits > 1 else 0, np.float64)
+        p2 = xp.empty_like(p1)
+        rt.launch(_mom_cols, (tiles, min(plan.kout * splits, 65535)), (bx, by), x, p1, p2, *outs, plan.L, *tables,
+                  plan.kout, plan.rout, rper, splits, corr)
+    if splits > 1:
+        rt.launch(_mom_finalize, rt.blocks_for(plan.groups, s.block), s.block, x, p1, p2, *outs, plan.L, plan.lk,
+                  *tables[:2], splits, plan.n, corr)
+
+
+def moments_forward(call):
+    """``moments`` on CuPy (or, in the simulator, NumPy) arrays: ``(mean, var)`` in the compute type.
+
+    Residuals: ``(x, shift, centred mean, plan, call)`` (float64 per group).
+    """
+    x = call.x
+    xp = rt.array_module(x)
+    plan = moments_plan(tuple(x.shape), call.axes)
+    shape = moments_shape(tuple(x.shape), call.axes, call.keepdims)
+    ctype = rt.compute_dtype(rt.dtype_name(x))
+    if x.size == 0:  # an empty reduction is undefined (NaN, as in NumPy); otherwise there are no groups
+        return (xp.full(shape, math.nan, ctype), xp.full(shape, math.nan, ctype)), (
+            (x, None, None, plan, call) if call.save else None)
+    outs = (xp.empty(plan.groups, ctype), xp.empty(plan.groups, ctype), xp.empty(plan.groups, np.float64),
+            xp.empty(plan.groups, np.float64))
+    _moments_sums(call, plan, x.reshape(-1), xp, outs, _mom_tables(plan, xp))
+    mean, var, shift, cm = outs
+    residuals = (x, shift, cm, plan, call) if call.save else None
+    return (mean.reshape(shape), var.reshape(shape)), residuals
+
+
+def moments_backward(residuals, cotangents, needs, out=None):
+    """dx = dmean / n + dvar · 2 (x − mean) / (n − correction), one elementwise kernel."""
+    x, shift, cm, plan, call = residuals
+    if "x" not in needs:
+        return {}
+    out = out or {}
+    xp = rt.array_module(x)
+    dx = _out_buffer(out.get("x"), x, xp)
+    dmean, dvar = cotangents
+    denom = plan.n - call.correction
+    if denom <= 0:
+        dvar = None  # var is NaN: it has no gradient (as in the reference)
+    if x.size == 0 or (dmean is None and dvar is None):
+        dx.reshape(-1).view(xp.uint8).fill(0)  # byte-wise: bfloat16 arrays need no arithmetic support
+        return {"x": rt.into(out, "x", dx)}
+    ctype = rt.compute_dtype(rt.dtype_name(x))
+    dmean, dvar = (xp.zeros(0, ctype) if c is None else xp.ascontiguousarray(rt.cast(c, ctype)).reshape(-1)
+                   for c in (dmean, dvar))
+    s = rt.settings()
+    bx = pow2_at_most(plan.L, s.block)
+    by = s.block // bx
+    rows = plan.kout * plan.rout
+    rt.launch(_mom_dx, (-(-plan.L // bx), min(-(-rows // by), 65535)), (bx, by), x.reshape(-1), dmean, dvar, shift,
+              cm, dx.reshape(-1), plan.L, plan.lk, *_mom_tables(plan, xp), plan.kout, plan.rout, 1.0 / plan.n,
+              2.0 / denom if denom > 0 else 0.0)
+    return {"x": rt.into(out, "x", dx)}

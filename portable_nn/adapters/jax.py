@@ -644,8 +644,9 @@ def moments(
 ) -> tuple[Any, Any]:
     """Mean and variance of ``x`` over ``axis`` — :func:`portable_nn.moments` for JAX.
 
-    Returns ``(mean, var)``; differentiable in ``x``.  No CPU kernel exists, so
-    it always runs the traced reference.
+    Returns ``(mean, var)``; differentiable in ``x``.  Under ``auto`` it runs the
+    traced reference (XLA fuses it); a forced ``numba`` runs the CPU kernel
+    through the host callback.
     """
     return {"x": x}, {"axis": axis, "keepdims": keepdims, "correction": correction}
 

@@ -205,9 +205,11 @@ def moments(
         ``None``): dx = dmean / n + dvar · 2 (x − mean) / (n − correction).
 
     Backends:
-        ``reference`` (every array library, device and floating dtype); kernels, when
-        any are registered, appear in ``pnn.capabilities()``, and ``pnn.explain``
-        reports which implementation a call runs.
+        ``reference`` (every array library, device and floating dtype); ``numba``
+        (NumPy and CPU torch, float32/float64, any axes without a transpose);
+        ``cupy`` and ``numba_cuda`` (CuPy and CUDA torch, float16/bfloat16 with
+        float32 statistics, float32, float64).  ``pnn.explain`` reports which
+        implementation a call runs.
     """
     return _MOMENTS(x, axis, keepdims=keepdims, correction=correction)
 
