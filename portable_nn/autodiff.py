@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import numpy as np
+
 from . import _arrays, dispatch
 from .api._common import Prepared, grads_type, spec_of
 
@@ -60,8 +62,8 @@ def _cotangents(prepared: Prepared, outputs: tuple[Any, ...], cotangent: Any) ->
     result = []
     for i, (ct, y) in enumerate(zip(given, outputs)):
         label = "cotangent" if n == 1 else f"cotangent[{i}]"
-        if ct is None:
-            result.append(xp.zeros_like(y))
+        if ct is None:  # NumPy's own zeros_like: the wrapper namespace is imported lazily (see _arrays)
+            result.append(np.zeros_like(y) if isinstance(y, np.ndarray) else xp.zeros_like(y))
             continue
         if not _arrays.is_array(ct):
             raise TypeError(f"{label} must be an array like the output, got {type(ct).__name__}")

@@ -35,7 +35,14 @@ w = np.ones((3, 5), np.float32)
 with pnn.use_backend("numba"):
     y, pullback = pnn.vjp(pnn.dense, x, w, activation="relu")
     g = pullback(np.ones_like(y))
-print(pnn.explain(pnn.dense, x, w).backend)
+    # a None cotangent, integer targets: paths that once reached for the wrapper namespace
+    (out, _), lstm_pullback = pnn.vjp(pnn.lstm, x.reshape(8, 1, 5), wrt=("x",),
+                                     params=[(np.ones((8, 5), np.float32), np.ones((8, 2), np.float32), None, None)])
+    lstm_pullback((np.ones_like(out), None))
+    loss, ce_pullback = pnn.vjp(pnn.cross_entropy, x, np.array([0, 1, 2, 3, 4, 0, 1, 2]))
+    ce_pullback(np.ones_like(loss))
+    backends = {pnn.explain(pnn.dense, x, w).backend, pnn.explain(pnn.cross_entropy, x, np.zeros(8, np.int64)).backend}
+print(*backends)
 print(float(abs(y - np.maximum(x @ w.T, 0)).max()), float(abs(g.weight - (x.T @ (y > 0)).T).max()))
 print("scipy.linalg" in sys.modules, "array_api_compat.numpy" in sys.modules)
 """

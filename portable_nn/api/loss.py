@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .. import _arrays
 from ._common import (
     OpSpec,
@@ -111,8 +113,11 @@ def _class_axis(logits: Any, axis: Any) -> int:
 def _check_labels(xp: Any, target: Any, classes: int, ignore_index: int) -> None:
     """``ValueError`` naming ``target`` if a label is outside [0, C) and not ignore_index.
 
-    This reads the target's values (a lazy library evaluates it here).
+    This reads the target's values (a lazy library evaluates it here).  NumPy targets use NumPy
+    itself (array-API conformant), not the lazily imported wrapper namespace.
     """
+    if isinstance(target, np.ndarray):
+        xp = np
     if _arrays.dtype_name(xp, target.dtype) != "int64":
         target = xp.astype(target, xp.int64)
     bad = xp.logical_and(
