@@ -19,24 +19,35 @@ import numpy as np
 # --------------------------------------------------------------------------- norms: the canonical view
 
 
-def canonical(call: Any) -> tuple[tuple[int, int, int, int], int, int]:
-    """(Nn, P, C, Q), Cg, S for the call's norm (channel axis 1 or -1, as declared)."""
-    shape = tuple(int(v) for v in call.x.shape)
-    kind = call.kind
+def norm_view(kind: str, shape: tuple[int, ...], n_axes: int, layout: str | None,
+              groups: int | None) -> tuple[tuple[int, int, int, int], int, int]:
+    """``((Nn, P, C, Q), Cg, S)``: the view of a C-contiguous ``x`` of ``shape`` that the norm kernels walk.
+
+    x is read as ``(Nn, P, C, Q)`` with statistics per ``(Nn, C)`` group, reduced over P and Q;
+    ``Cg`` channels share a group (group norm) and ``S`` consecutive elements share one channel's
+    weight.  ``n_axes``: the number of normalised trailing axes (layer/rms norm); ``layout``:
+    ``"channels_first"`` (channel axis 1) or ``"channels_last"``; ``groups``: group norm's
+    ``num_groups``.
+    """
     if kind in ("layer_norm", "rms_norm"):
-        lead = len(shape) - len(call.axes)
+        lead = len(shape) - n_axes
         d = math.prod(shape[lead:])
         return (math.prod(shape[:lead]), 1, 1, d), d, 1
-    n, first = shape[0], call.layout == "channels_first"
+    n, first = shape[0], layout == "channels_first"
     ch = shape[1] if first else shape[-1]
     spatial = math.prod(shape[2:]) if first else math.prod(shape[1:-1])
     if kind == "batch_norm":
         return ((1, n, ch, spatial), 1, spatial) if first else ((1, n * spatial, ch, 1), 1, 1)
     if kind == "instance_norm":
         return ((n, 1, ch, spatial), 1, spatial) if first else ((n, spatial, ch, 1), 1, 1)
-    groups = call.num_groups
     per = ch // groups
     return ((n, 1, groups, per * spatial), per, spatial) if first else ((n, spatial, groups, per), per, 1)
+
+
+def canonical(call: Any) -> tuple[tuple[int, int, int, int], int, int]:
+    """:func:`norm_view` of a norm call (channel axis 1 or -1, as declared)."""
+    return norm_view(call.kind, tuple(int(v) for v in call.x.shape), len(call.axes), call.layout,
+                     call.params.get("num_groups"))
 
 
 # --------------------------------------------------------------------------- moments: the plan

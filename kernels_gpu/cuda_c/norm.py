@@ -1,6 +1,7 @@
 """Launchers of the CUDA C norm kernels (``norm.cu``): batch, layer, group, instance and rms norm, and moments.
 
-Every norm runs on the canonical view of a C-contiguous ``x`` (the same as the Numba CPU kernels)::
+Every norm runs on the canonical view of a C-contiguous ``x`` (``portable_nn.kernel_plans.norm_view``, shared
+with the Numba kernels)::
 
     x4 = x.reshape(nn, pp, cc, qq)        statistics per group (i, c) over (p, q)
     parameter of element (c, q)  =  c · cg + q // ss
@@ -40,7 +41,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from portable_nn.kernel_plans import moments_plan, moments_shape, pow2_at_most, row_splits
+from portable_nn.kernel_plans import moments_plan, moments_shape, norm_view, pow2_at_most, row_splits
 
 from . import _runtime as rt
 
@@ -79,28 +80,6 @@ rt.declare(FAMILY, kernel_names())
 
 
 # --------------------------------------------------------------------------- plans (pure Python)
-
-
-def canonical(kind: str, shape: tuple[int, ...], n_axes: int, layout: str | None,
-              groups: int | None) -> tuple[tuple[int, int, int, int], int, int]:
-    """((nn, pp, cc, qq), cg, ss) of a norm on an ``x`` of ``shape`` (see the module table).
-
-    ``n_axes``: the number of normalised trailing axes (layer/rms norm); ``groups``: group_norm's
-    ``num_groups``.
-    """
-    if kind in ("layer_norm", "rms_norm"):
-        lead = len(shape) - n_axes
-        d = math.prod(shape[lead:])
-        return (math.prod(shape[:lead]), 1, 1, d), d, 1
-    n, first = shape[0], layout == "channels_first"
-    ch = shape[1] if first else shape[-1]
-    spatial = math.prod(shape[2:]) if first else math.prod(shape[1:-1])
-    if kind == "batch_norm":
-        return ((1, n, ch, spatial), 1, spatial) if first else ((1, n * spatial, ch, 1), 1, 1)
-    if kind == "instance_norm":
-        return ((n, 1, ch, spatial), 1, spatial) if first else ((n, spatial, ch, 1), 1, 1)
-    per = ch // groups
-    return ((n, 1, groups, per * spatial), per, spatial) if first else ((n, spatial, groups, per), per, 1)
 
 
 @dataclass(frozen=True)
@@ -162,7 +141,7 @@ def make_plan(geometry: tuple[int, int, int, int], cg: int, ss: int) -> NormPlan
 
 def plan_of(call: Any) -> NormPlan:
     """The plan of a norm call."""
-    geometry, cg, ss = canonical(call.kind, tuple(int(v) for v in call.x.shape), len(call.axes), call.layout,
+    geometry, cg, ss = norm_view(call.kind, tuple(int(v) for v in call.x.shape), len(call.axes), call.layout,
                                  call.params.get("num_groups"))
     return make_plan(geometry, cg, ss)
 
