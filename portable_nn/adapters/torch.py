@@ -1304,8 +1304,10 @@ def gru(
 # =========================================================================== modules
 
 
-def _activation_repr(activation: Any) -> str:
-    return "" if activation.is_identity else f", activation={activation}"
+def _fused_repr(module: Any) -> str:
+    """What our modules add to ``torch.nn``'s ``extra_repr``: a fused activation, a channels-last layout."""
+    text = "" if module.activation.is_identity else f", activation={module.activation}"
+    return text + ("" if getattr(module, "channel_axis", 1) == 1 else ", channel_axis=-1")
 
 
 def _check_channel_axis(channel_axis: Any) -> int:
@@ -1355,7 +1357,7 @@ class LayerNorm(nn.LayerNorm):
 
     def extra_repr(self) -> str:
         """``torch.nn``'s description plus the fused activation."""
-        return super().extra_repr() + _activation_repr(self.activation)
+        return super().extra_repr() + _fused_repr(self)
 
 
 class RMSNorm(nn.RMSNorm):
@@ -1411,8 +1413,7 @@ class GroupNorm(nn.GroupNorm):
 
     def extra_repr(self) -> str:
         """``torch.nn``'s description plus the fused activation and a channels-last layout."""
-        extra = "" if self.channel_axis == 1 else ", channel_axis=-1"
-        return super().extra_repr() + _activation_repr(self.activation) + extra
+        return super().extra_repr() + _fused_repr(self)
 
 
 def _batch_norm_forward(module: Any, input: Tensor) -> Tensor:
@@ -1462,8 +1463,7 @@ class _BatchNormMixin:
 
     def extra_repr(self) -> str:
         """``torch.nn``'s description plus the fused activation and a channels-last layout."""
-        extra = "" if self.channel_axis == 1 else ", channel_axis=-1"
-        return super().extra_repr() + _activation_repr(self.activation) + extra  # type: ignore[misc]
+        return super().extra_repr() + _fused_repr(self)  # type: ignore[misc]
 
 
 class BatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):
@@ -1557,8 +1557,7 @@ class _InstanceNormMixin:
 
     def extra_repr(self) -> str:
         """``torch.nn``'s description plus the fused activation and a channels-last layout."""
-        extra = "" if self.channel_axis == 1 else ", channel_axis=-1"
-        return super().extra_repr() + _activation_repr(self.activation) + extra  # type: ignore[misc]
+        return super().extra_repr() + _fused_repr(self)  # type: ignore[misc]
 
 
 class InstanceNorm1d(_InstanceNormMixin, nn.InstanceNorm1d):
@@ -1638,8 +1637,7 @@ class _ConvMixin:
 
     def extra_repr(self) -> str:
         """``torch.nn``'s description plus the fused activation and a channels-last layout."""
-        extra = "" if self.channel_axis == 1 else ", channel_axis=-1"
-        return super().extra_repr() + _activation_repr(self.activation) + extra  # type: ignore[misc]
+        return super().extra_repr() + _fused_repr(self)  # type: ignore[misc]
 
 
 class Conv1d(_ConvMixin, nn.Conv1d):
@@ -1704,7 +1702,7 @@ class Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         """``torch.nn``'s description plus the fused activation."""
-        return super().extra_repr() + _activation_repr(self.activation)
+        return super().extra_repr() + _fused_repr(self)
 
 
 # --------------------------------------------------------------------------- recurrent modules
