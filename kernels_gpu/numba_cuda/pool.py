@@ -38,8 +38,7 @@ from ._runtime import cast_as, device, kernel, load, store
 #: Entries of the geometry tuple: in (3), out (3), window (3), stride (3), padding (3),
 #: dilation (3), K, count_include_pad, B.
 _G = "UniTuple(int64, 21)"
-_MAX_FWD = f"void({{x}}[::1], {{x}}[::1], int32[::1], {_G})"
-_AVG_FWD = f"void({{x}}[::1], {{x}}[::1], {_G})"
+_FWD = f"void({{x}}[::1], {{x}}[::1], int32[::1], {_G}, boolean)"
 _MAX_BWD = f"void({{x}}[::1], int32[::1], {{x}}[::1], {_G})"
 _AVG_BWD = f"void({{x}}[::1], {{x}}[::1], {_G})"
 
@@ -76,9 +75,10 @@ def _split_out(i, g):
     return r // g[3], od, oh, ow, ch
 
 
-@kernel(_MAX_FWD)
-def _max_forward(x, y, idx, g):
-    """y = window maximum (first max wins ties, NaN propagates); idx = its spatial position or −1."""
+@kernel(_FWD)
+def _forward(x, y, idx, g, is_max):
+    """max_pool (``is_max``): y = window maximum (first max wins ties, NaN propagates) and idx = its
+    spatial position or −1; avg_pool: y = Σ_window x / divisor (float64 sum in window order)."""
     total = g[20] * g[3] * g[4] * g[5] * g[18]
     plane = g[0] * g[1] * g[2] * g[18]
     i = cuda.grid(1)
@@ -88,6 +88,7 @@ def _max_forward(x, y, idx, g):
         base = b * plane + ch
         best = cast_as(load(x, base), -math.inf)
         bi = -1
+        acc = 0.0
         for a in range(g[6]):
             zd = od * g[9] - g[12] + a * g[15]
             if zd < 0 or zd >= g[0]:
@@ -102,41 +103,19 @@ def _max_forward(x, y, idx, g):
                         continue
                     p = (zd * g[1] + zh) * g[2] + zw
                     v = load(x, base + p * g[18])
+                    if not is_max:
+                        acc += np.float64(v)
+                        continue
                     if bi < 0:
                         bi = p
                     if v > best or v != v:
                         best = v
                         bi = p
-        store(y, i, best)
-        idx[i] = bi
-        i += stride
-
-
-@kernel(_AVG_FWD)
-def _avg_forward(x, y, g):
-    """y = Σ_window x / divisor (float64 sum in window order)."""
-    total = g[20] * g[3] * g[4] * g[5] * g[18]
-    plane = g[0] * g[1] * g[2] * g[18]
-    i = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while i < total:
-        b, od, oh, ow, ch = _split_out(i, g)
-        base = b * plane + ch
-        acc = 0.0
-        for a in range(g[6]):
-            zd = od * g[9] - g[12] + a * g[15]
-            if zd < 0 or zd >= g[0]:
-                continue
-            for c in range(g[7]):
-                zh = oh * g[10] - g[13] + c * g[16]
-                if zh < 0 or zh >= g[1]:
-                    continue
-                for e in range(g[8]):
-                    zw = ow * g[11] - g[14] + e * g[17]
-                    if zw < 0 or zw >= g[2]:
-                        continue
-                    acc += np.float64(load(x, base + ((zd * g[1] + zh) * g[2] + zw) * g[18]))
-        store(y, i, cast_as(load(x, base), acc / _divisor(od, oh, ow, g)))
+        if is_max:
+            store(y, i, best)
+            idx[i] = bi
+        else:
+            store(y, i, cast_as(load(x, base), acc / _divisor(od, oh, ow, g)))
         i += stride
 
 
@@ -245,13 +224,10 @@ def pool_forward(call):
     y = xp.empty(_out_shape(call, shape), dtype=x.dtype)
     n, block = rt.prod(y.shape), rt.settings().block
     flat_x, flat_y = x.reshape(-1), y.reshape(-1)
-    if call.op == "max_pool":
-        idx = xp.empty(n, np.int32)
-        rt.launch(_max_forward, rt.blocks_for(n, block), block, flat_x, flat_y, idx, g)
-    else:
-        idx = None
-        rt.launch(_avg_forward, rt.blocks_for(n, block), block, flat_x, flat_y, g)
-    return (y,), ((idx, g, shape, x.dtype) if call.save else None)
+    is_max = call.op == "max_pool"
+    idx = xp.empty(n if is_max else 0, np.int32)  # avg_pool keeps no positions
+    rt.launch(_forward, rt.blocks_for(n, block), block, flat_x, flat_y, idx, g, is_max)
+    return (y,), ((idx if is_max else None, g, shape, x.dtype) if call.save else None)
 
 
 def pool_backward(residuals, cotangents, needs, out=None):
