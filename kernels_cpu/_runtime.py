@@ -138,9 +138,6 @@ class _AttachBlasModule:
         spec.loader.exec_module = exec_module  # this spec's own loader instance only
         return spec
 
-    def find_module(self, name, path=None):  # the legacy protocol: never used for this module
-        return None
-
 
 def preload_blas_bindings() -> bool:
     """Load ``scipy.linalg.cython_blas`` without its package; ``True`` if this call loaded it."""

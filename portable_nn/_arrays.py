@@ -116,7 +116,7 @@ class LazyNamespace:
         self._module: Any = None
 
     def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("_") and attr in ("_module_name", "_module"):  # not set yet: copying, pickling
+        if attr in ("_module_name", "_module"):  # not set yet (copying, unpickling): no recursion
             raise AttributeError(attr)
         if self._module is None:
             import importlib
