@@ -38,8 +38,12 @@ _COL2IM = f"void({{c}}[::1], {{x}}[::1], {_G})"
 
 
 @device
-def _tap_out(z, t, n_out, s, p, dl):
-    """The output index along one axis that tap ``t`` connects to input ``z``, or −1."""
+def tap_output(z, t, n_out, s, p, dl):
+    """The output index along one axis that tap ``t`` connects to input ``z``, or −1.
+
+    With stride ``s``, padding ``p`` and dilation ``dl`` (``n_out`` outputs); pooling windows
+    use it too (``pool.py``).
+    """
     num = z + p - t * dl
     if num < 0 or num % s != 0:
         return -1
@@ -120,15 +124,15 @@ def _col2im(dcols, dx, g):
         row0 = grp * NP + n * P
         acc = 0.0
         for ta in range(g[6]):
-            od = _tap_out(zd, ta, g[3], g[9], g[12], g[15])
+            od = tap_output(zd, ta, g[3], g[9], g[12], g[15])
             if od < 0:
                 continue
             for tc in range(g[7]):
-                oh = _tap_out(zh, tc, g[4], g[10], g[13], g[16])
+                oh = tap_output(zh, tc, g[4], g[10], g[13], g[16])
                 if oh < 0:
                     continue
                 for te in range(g[8]):
-                    ow = _tap_out(zw, te, g[5], g[11], g[14], g[17])
+                    ow = tap_output(zw, te, g[5], g[11], g[14], g[17])
                     if ow < 0:
                         continue
                     p = (od * g[4] + oh) * g[5] + ow

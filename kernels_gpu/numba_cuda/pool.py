@@ -34,6 +34,7 @@ from numba import cuda
 
 from . import _runtime as rt
 from ._runtime import cast_as, device, kernel, load, store
+from .conv import tap_output
 
 #: Entries of the geometry tuple: in (3), out (3), window (3), stride (3), padding (3),
 #: dilation (3), K, count_include_pad, B.
@@ -120,16 +121,6 @@ def _forward(x, y, idx, g, is_max):
 
 
 @device
-def _out_index(z, t, n_out, s, p, dl):
-    """The output along one axis whose window offset ``t`` lands on input ``z``, or −1."""
-    num = z + p - t * dl
-    if num < 0 or num % s != 0:
-        return -1
-    o = num // s
-    return o if o < n_out else -1
-
-
-@device
 def _gather(dy, idx, g, i, use_idx):
     """Σ of the contributions to input element ``i`` over the windows covering it (float64)."""
     K = g[18]
@@ -144,15 +135,15 @@ def _gather(dy, idx, g, i, use_idx):
     pos = (zd * g[1] + zh) * g[2] + zw
     acc = 0.0
     for a in range(g[6]):
-        od = _out_index(zd, a, g[3], g[9], g[12], g[15])
+        od = tap_output(zd, a, g[3], g[9], g[12], g[15])
         if od < 0:
             continue
         for c in range(g[7]):
-            oh = _out_index(zh, c, g[4], g[10], g[13], g[16])
+            oh = tap_output(zh, c, g[4], g[10], g[13], g[16])
             if oh < 0:
                 continue
             for e in range(g[8]):
-                ow = _out_index(zw, e, g[5], g[11], g[14], g[17])
+                ow = tap_output(zw, e, g[5], g[11], g[14], g[17])
                 if ow < 0:
                     continue
                 j = (((b * g[3] + od) * g[4] + oh) * g[5] + ow) * K + ch
