@@ -26,6 +26,8 @@ CPU_SUPPORT = dict(
     native="numpy",
 )
 NUMBA_PRIORITY = 5
+#: Entered around every forward and backward: BLAS at one thread for the call's duration.
+CPU_SCOPE = "kernels_cpu._runtime:call_scope"
 
 register_builtin(
     "moments",
@@ -37,6 +39,7 @@ register_builtin(
         **CPU_SUPPORT,
     ),
     priority=NUMBA_PRIORITY,
+    scope=CPU_SCOPE,
 )
 
 for _op in ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm"):
@@ -47,6 +50,7 @@ for _op in ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm
         backward="kernels_cpu.norm:norm_backward",
         supports=Support(layouts=("channels_first", "channels_last"), **CPU_SUPPORT),
         priority=NUMBA_PRIORITY,
+        scope=CPU_SCOPE,
     )
 
 for _op, _kind in (("rnn_cell", "cell"), ("lstm_cell", "cell"), ("gru_cell", "cell"),
@@ -61,6 +65,7 @@ for _op, _kind in (("rnn_cell", "cell"), ("lstm_cell", "cell"), ("gru_cell", "ce
             **CPU_SUPPORT,
         ),
         priority=NUMBA_PRIORITY,
+        scope=CPU_SCOPE,
     )
 
 register_builtin(
@@ -74,6 +79,7 @@ register_builtin(
         **CPU_SUPPORT,
     ),
     priority=NUMBA_PRIORITY,
+    scope=CPU_SCOPE,
 )
 
 register_builtin(
@@ -83,6 +89,7 @@ register_builtin(
     backward="kernels_cpu.dense:dense_backward",
     supports=Support(description="any leading shape (1-D x and zero rows included)", **CPU_SUPPORT),
     priority=NUMBA_PRIORITY,
+    scope=CPU_SCOPE,
 )
 
 
@@ -99,6 +106,7 @@ for _op in ("max_pool", "avg_pool"):
             **CPU_SUPPORT,
         ),
         priority=NUMBA_PRIORITY,
+        scope=CPU_SCOPE,
     )
 
 
@@ -114,4 +122,5 @@ for _op in ("log_softmax", "cross_entropy"):
             **CPU_SUPPORT,
         ),
         priority=NUMBA_PRIORITY,
+        scope=CPU_SCOPE,
     )

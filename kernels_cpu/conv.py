@@ -524,11 +524,7 @@ def _weight_matrix(weight, plan):
 
 def _run(plan, *args):
     """The serial driver below PARALLEL_MIN_MACS, else the parallel one under the threading policy."""
-    if plan.macs < PARALLEL_MIN_MACS:
-        _serial(*args)
-        return
-    with _runtime.parallel_section():
-        _parallel(*args)
+    _runtime.run_sized(_parallel, _serial, plan.macs >= PARALLEL_MIN_MACS, *args)
 
 
 def _padded_input(x, plan):

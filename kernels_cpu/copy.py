@@ -6,21 +6,32 @@ from numba import njit, prange
 
 from . import _runtime
 
+_OPTS = {"cache": True, "error_model": "numpy", "nogil": True}
+_BLOCK = 1 << 16
 
-@njit(parallel=True, cache=True, error_model="numpy", nogil=True)
+
+@njit(inline="always", **_OPTS)
+def _copy_block(k, src, dst):
+    start = k * _BLOCK
+    stop = min(src.shape[0], start + _BLOCK)
+    d = dst[start:stop]
+    s = src[start:stop]
+    for i in range(stop - start):
+        d[i] = s[i]
+
+
+@njit(parallel=True, **_OPTS)
 def _copy(src, dst):
-    n = src.shape[0]
-    block = 1 << 16
-    for k in prange((n + block - 1) // block):
-        start = k * block
-        stop = min(n, start + block)
-        d = dst[start:stop]
-        s = src[start:stop]
-        for i in range(stop - start):
-            d[i] = s[i]
+    for k in prange((src.shape[0] + _BLOCK - 1) // _BLOCK):
+        _copy_block(k, src, dst)
+
+
+@njit(**_OPTS)
+def _copy_serial(src, dst):
+    for k in range((src.shape[0] + _BLOCK - 1) // _BLOCK):
+        _copy_block(k, src, dst)
 
 
 def parallel_copy(src, dst):
-    """dst[:] = src for 1-D contiguous arrays, with all Numba threads."""
-    with _runtime.parallel_section():
-        _copy(src, dst)
+    """dst[:] = src for 1-D contiguous arrays, with the threads portable_nn may use."""
+    _runtime.run_sized(_copy, _copy_serial, True, src, dst)

@@ -127,18 +127,31 @@ def _backward_serial(x, w, dy, k, g, dx, dw, db, code, slope, from_output, need_
 # --------------------------------------------------------------------------- parallel passes (large layers)
 
 
+@njit(inline="always", **_OPTS)
+def _rows_task(t, backward, a, k, b, out, dbp, keep_z, code, slope, from_output):
+    """Row block t: the epilogue (a = z, out = y) or the gradient pass (a = dy, k = kept, out = g,
+    the block's bias partial in dbp[t])."""
+    r0 = t * BLOCK_ROWS
+    r1 = min(a.shape[0], r0 + BLOCK_ROWS)
+    if backward:
+        _grad(a, k, out, dbp[t], r0, r1, code, slope, from_output)
+    else:
+        _epilogue(a, b, out, r0, r1, keep_z, code, slope)
+
+
 @njit(parallel=True, **_OPTS)
 def _rows_parallel(backward, a, k, b, out, dbp, keep_z, code, slope, from_output):
-    """Row blocks in parallel: the epilogue (a = z, out = y) or the gradient pass (a = dy, k = kept,
-    out = g, per-block bias partials dbp).  One parallel kernel for both: each costs seconds to compile."""
-    m = a.shape[0]
-    for t in prange((m + BLOCK_ROWS - 1) // BLOCK_ROWS):
-        r0 = np.int64(t) * BLOCK_ROWS  # prange indices are unsigned: keep the serial signature
-        r1 = min(m, r0 + BLOCK_ROWS)
-        if backward:
-            _grad(a, k, out, dbp[t], r0, r1, code, slope, from_output)
-        else:
-            _epilogue(a, b, out, r0, r1, keep_z, code, slope)
+    """Row blocks in parallel.  One parallel kernel for both passes: each costs seconds to compile."""
+    for t in prange((a.shape[0] + BLOCK_ROWS - 1) // BLOCK_ROWS):
+        # prange indices are unsigned: keep the serial signature
+        _rows_task(np.int64(t), backward, a, k, b, out, dbp, keep_z, code, slope, from_output)
+
+
+@njit(**_OPTS)
+def _rows_serial(backward, a, k, b, out, dbp, keep_z, code, slope, from_output):
+    """The same, one block after another (one thread allowed, or a forked child)."""
+    for t in range((a.shape[0] + BLOCK_ROWS - 1) // BLOCK_ROWS):
+        _rows_task(t, backward, a, k, b, out, dbp, keep_z, code, slope, from_output)
 
 
 # --------------------------------------------------------------------------- entry points
@@ -176,8 +189,8 @@ def dense_forward(call):
         _forward_serial(x2, w, b, y2, z2, keep_z, code, slope)
     else:
         np.matmul(x2, w.T, out=z2)
-        with _runtime.parallel_section():
-            _rows_parallel(False, z2, z2, b, y2, np.empty((0, 0)), keep_z, code, slope, from_output)
+        _runtime.run_sized(_rows_parallel, _rows_serial, True,
+                           False, z2, z2, b, y2, np.empty((0, 0)), keep_z, code, slope, from_output)
     residuals = None
     if call.save:
         kept = None if code == 0 else (y2 if from_output else z2)
@@ -208,8 +221,8 @@ def dense_backward(residuals, cotangents, needs, out=None):
     else:
         dbp = np.zeros((-(-m // BLOCK_ROWS), n_out))
         g = np.empty((m, n_out), dtype)
-        with _runtime.parallel_section():
-            _rows_parallel(True, dy2, k2, np.empty(0, dtype), g, dbp, False, code, slope, from_output)
+        _runtime.run_sized(_rows_parallel, _rows_serial, True,
+                           True, dy2, k2, np.empty(0, dtype), g, dbp, False, code, slope, from_output)
         db = dbp.sum(axis=0)
         if need_w:
             np.matmul(g.T, x2, out=dw)

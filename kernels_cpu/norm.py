@@ -565,7 +565,7 @@ def norm_forward(call):
     x = call.x
     (nn, p, c, q), cg, s = canonical(call)
     x4 = x.reshape(nn, p, c, q)
-    y = np.empty_like(x)
+    y = _runtime.empty_like(x)
     y4 = y.reshape(nn, p, c, q)
     w = _flat_param(call.weight, 1.0, c * cg, x.dtype)
     b = _flat_param(call.bias, 0.0, c * cg, x.dtype)
@@ -614,7 +614,7 @@ def norm_backward(residuals, cotangents, needs, out=None):
     need_x = "x" in needs
     dx = out.get("x") if need_x else None
     if need_x and (dx is None or not dx.flags.c_contiguous):
-        dx = np.empty_like(x)
+        dx = _runtime.empty_like(x)
     dx4 = dx.reshape(nn, p, c, q) if need_x else np.empty((1, 1, 1, 1), x.dtype)
     act_ = call.activation
     train, center = bool(call.use_batch_stats), bool(call.center)

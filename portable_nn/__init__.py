@@ -47,6 +47,7 @@ from .dispatch import (
     unregister_kernel,
 )
 from .errors import BackendUnavailableError, FallbackWarning
+from .threads import get_num_threads, set_num_threads, use_threads
 
 __version__ = "0.1.0"
 """The version of portable_nn, a PEP 440 string kept equal to ``version`` in pyproject.toml."""
@@ -71,6 +72,7 @@ __all__ = [
     "explain",
     "get_backend",
     "get_fallback",
+    "get_num_threads",
     "group_norm",
     "gru",
     "gru_cell",
@@ -88,7 +90,9 @@ __all__ = [
     "rnn_cell",
     "set_backend",
     "set_fallback",
+    "set_num_threads",
     "unregister_kernel",
     "use_backend",
+    "use_threads",
     "vjp",
 ]

@@ -279,6 +279,7 @@ class Implementation:
     supports: Support = field(default_factory=Support)
     priority: int = 0
     origin: str = "builtin"
+    scope: Any = None
 
     def forward_fn(self) -> Callable[..., Any]:
         resolved = self.__dict__.get("_forward_resolved")
@@ -294,6 +295,18 @@ class Implementation:
             fn = _resolve(self.backward)
             resolved = self.__dict__["_backward_resolved"] = fn if _accepts_out(fn) else _without_out(fn)
         return resolved
+
+    def runtime_scope(self) -> Any:
+        """The context its backend's runtime wants around each forward and backward (or a null one).
+
+        The numba backend limits BLAS threads for the duration of a call (``kernels_cpu._runtime``).
+        """
+        if self.scope is None:
+            return contextlib.nullcontext()
+        resolved = self.__dict__.get("_scope_resolved")
+        if resolved is None:
+            resolved = self.__dict__["_scope_resolved"] = _resolve(self.scope)
+        return resolved()
 
 
 def _accepts_out(fn: Callable[..., Any]) -> bool:
@@ -352,11 +365,16 @@ def register_builtin(
     backward: Any = None,
     supports: Support | None = None,
     priority: int = 0,
+    scope: Any = None,
 ) -> None:
-    """Declare a built-in implementation (used by the reference and kernel packages)."""
+    """Declare a built-in implementation (used by the reference and kernel packages).
+
+    ``scope`` (a callable or ``"module:function"``) returns the context manager entered around
+    every forward and backward of the implementation: its runtime's per-call arrangement.
+    """
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}")
-    _add(Implementation(op, backend, forward, backward, supports or Support(), priority))
+    _add(Implementation(op, backend, forward, backward, supports or Support(), priority, scope=scope))
 
 
 def register_kernel(
@@ -937,7 +955,7 @@ class Executed:
             raise BackendUnavailableError(f"{self.impl.backend} has no backward for {self.impl.op}")
         cts = tuple(self.bridge.inward(c) for c in cotangents)
         buffers = {k: self.bridge.inward(v) for k, v in out.items() if v is not None}
-        with _NoGrad(self.family), self.bridge.context():
+        with _NoGrad(self.family), self.bridge.context(), self.impl.runtime_scope():
             grads = fn(self.residuals, cts, needs, buffers)
         return {k: self.bridge.outward(v) for k, v in grads.items()}
 
@@ -948,7 +966,7 @@ def run(call: Call, need_backward: bool = False) -> Executed:
     impl = selection.impl
     bridge = Bridge(call.family, impl.supports.native, call.device, call.dtype)
     inner = _bridge_call(call, selection, bridge, need_backward)
-    with _NoGrad(call.family), bridge.context():
+    with _NoGrad(call.family), bridge.context(), impl.runtime_scope():
         outputs, residuals = impl.forward_fn()(inner)
     return Executed(bridge.outward(tuple(outputs)), residuals, impl, bridge, call.family)
 

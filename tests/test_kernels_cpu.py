@@ -6,6 +6,7 @@ shared ``cases(op)`` parametrisation, which forces every backend that declares s
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -125,7 +126,7 @@ def test_concurrent_calls_from_threads_are_safe():
 
 
 def test_threading_layer_policy_in_a_fresh_process():
-    """The tbb layer is chosen (when installed) and no second OpenMP runtime is loaded for torch."""
+    """omp on PyTorch's own OpenMP runtime when torch is installed, else tbb (no OpenMP loaded)."""
     code = """
 import numpy as np, portable_nn as pnn, numba
 x = np.ones((256, 256), np.float32)
@@ -139,8 +140,11 @@ print(sorted({line.split('/')[-1] for line in maps.splitlines() if 'gomp' in lin
     layer, openmp = out.stdout.strip().splitlines()
     from kernels_cpu import _runtime
 
-    expected = "tbb" if "tbb" in _runtime.describe() else "workqueue"
+    shared = _runtime.torch_openmp_runtime()
+    expected = "omp" if shared else "tbb" if "tbb" in _runtime.describe() else "workqueue"
     assert layer == expected
+    if layer == "omp":
+        assert os.path.basename(shared) in openmp  # PyTorch's runtime, loaded without importing torch
     if layer == "tbb":
         assert openmp == "[]", f"an OpenMP runtime was loaded: {openmp}"
 
