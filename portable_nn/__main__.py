@@ -38,7 +38,10 @@ def _threading_layer() -> str:
 
     from kernels_cpu import _runtime
 
-    return f"{_runtime.describe()}, {numba_config.NUMBA_NUM_THREADS} threads"
+    from .threads import get_num_threads
+
+    return (f"{_runtime.describe()}; Numba's pool {numba_config.NUMBA_NUM_THREADS} threads, "
+            f"portable_nn uses {get_num_threads()} (pnn.set_num_threads)")
 
 
 def _cache_dir() -> str:
