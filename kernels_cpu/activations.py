@@ -67,3 +67,64 @@ def act_grad(z, code, slope):
         s = sigmoid(z)
         return s * (1.0 + z * (1.0 - s))
     return 1.0 if z > 0.0 else slope
+
+
+_KIND_OPTS = {"cache": True, "error_model": "numpy", "nogil": True}
+
+# --------------------------------------------------------------------------- activation kinds of loop nests
+#
+# A loop calling act(v, code, slope) with a runtime code is neither unswitched nor vectorised
+# by LLVM: relu then branches on the data's sign and mispredicts half the time (35x slower
+# measured).  So the loop nests take a *kind*, passed as a literal by the entry points: 0
+# identity, 1 rectifier (relu, or leaky_relu: max-like selects once the literal is folded; relu
+# is the slope-0 case), 2 any other activation, whose libm calls dominate anyway and which goes
+# through one called (not inlined) function, so that every activation's code is compiled once
+# rather than into each loop nest.  Three copies of each loop nest, not one per activation,
+# keeps the compile time down.
+
+
+@njit(**_KIND_OPTS)
+def _act_any(v, code, slope):
+    return act(v, code, slope)
+
+
+@njit(**_KIND_OPTS)
+def _dact_any(v, code, slope, from_output):
+    """act' at an element, from the output y (``from_output``) or from the pre-activation z."""
+    if code == 0:
+        return 1.0
+    if from_output:
+        if code == 1:
+            return 1.0 if v > 0.0 else 0.0
+        if code == 2:
+            return v * (1.0 - v)
+        if code == 3:
+            return 1.0 - v * v
+        return 1.0 if v > 0.0 else slope
+    return act_grad(v, code, slope)
+
+
+@njit(inline="always", **_KIND_OPTS)
+def apply_kind(v, kind, code, slope):
+    """act(v) for a loop of the given kind (see above); kind 1 takes the rectifier's slope."""
+    if kind == 0:
+        return v
+    if kind == 1:
+        return v if v > 0.0 else slope * v + 0.0  # + 0.0: relu gives +0.0, as PyTorch does, not -0.0
+    return _act_any(v, code, slope)
+
+
+@njit(inline="always", **_KIND_OPTS)
+def deriv_kind(v, kind, code, slope, from_output):
+    """act'(v) for a loop of the given kind; kind 1 reads it from the output y."""
+    if kind == 0:
+        return 1.0
+    if kind == 1:
+        return 1.0 if v > 0.0 else slope
+    return _dact_any(v, code, slope, from_output)
+
+
+@njit(inline="always", **_KIND_OPTS)
+def rectifier_slope(code, slope):
+    """The negative-side slope of relu (0) or leaky_relu."""
+    return 0.0 if code == 1 else slope

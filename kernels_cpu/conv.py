@@ -23,10 +23,10 @@ is fastest for these shapes (about twice the throughput of ``W @ colsᵀ`` measu
 Why chunks rather than one im2col of the whole batch: LeNet-sized layers have few channels, so
 ``cols`` is 10-25 times larger than ``x``; writing it to memory and reading it back (in the
 forward, and again for the weight gradient) would cost more than the products.  A chunk's
-``cols`` (≤ ``CHUNK_ELEMENTS``, ~128 KB) is written, multiplied and discarded while in cache;
-the epilogue reads ``Z`` from cache; chunks run as parallel tasks, each product kept below
-OpenBLAS's threading threshold (``CHUNK_MACS``) so concurrent products neither oversubscribe
-the cores nor queue on OpenBLAS's thread server.  Nothing of ``cols`` is kept for the backward
+``cols`` (≤ ``CHUNK_ELEMENTS``, 2 MiB) is written, multiplied and discarded while in L2; the
+epilogue reads ``Z`` from cache; chunks run as parallel tasks, each product on one BLAS thread
+(the runtime limits BLAS to one thread for the duration of our calls, so concurrent products
+never oversubscribe the cores).  Nothing of ``cols`` is kept for the backward
 (residuals: the padded input — ``x`` itself without padding —, the weight matrix, and ``y``
 or, for gelu/silu/..., the pre-activation ``z``): recomputing a chunk's ``cols`` costs less
 than a whole-batch buffer would in memory.
@@ -41,6 +41,9 @@ one large image still splits into parallel tasks.  Backward chunks are whole ima
     dx        = col2im(dcols)                        (scatter-add into the padded dx; whole
                                                       images per chunk: no two tasks write
                                                       the same element)
+
+Layers with many channels per group and large images run as shifted products instead
+(:mod:`kernels_cpu._conv_shifted`, which needs no column buffer at all); see its ``applies``.
 
 Chunking depends on the shape only and partial sums are reduced in chunk order, so results
 are bitwise identical for any thread count (serial and parallel paths included).  Limits:
@@ -57,20 +60,22 @@ from numba import njit, prange
 
 from portable_nn.reference.activations import keeps_output_only
 
-from . import _runtime
+from . import _conv_shifted, _runtime
 from ._runtime import into as _into
-from .activations import act, act_grad
+from .activations import apply_kind, deriv_kind, rectifier_slope
 
 LANES = 16
 _OPTS = {"cache": True, "error_model": "numpy", "nogil": True}
 # Below this many multiply-adds the thread pool costs more than it saves (PERFORMANCE.md §6).
 PARALLEL_MIN_MACS = 1 << 21
-# A chunk's product has fewer multiply-adds than this per group: OpenBLAS runs a product on one
-# thread below 2·4·65536 (two threads' worth of its GEMM_MULTITHREAD_THRESHOLD), so products
-# issued from parallel tasks never contend for its thread server.
-CHUNK_MACS = (1 << 19) - 1
-# ... and its im2col buffer at most this many elements (it stays in L2).
-CHUNK_ELEMENTS = 1 << 15
+# A forward chunk's im2col buffer holds at most this many elements (2 MiB of float32: it stays in L2
+# and the chunk's product is large enough for BLAS), a backward chunk's (whole images) this many;
+# each pass has at least MIN_CHUNKS chunks where the shape allows, so two threads share the work.
+# Measured on 3x3 convs, 2 threads, Xeon with AVX-512 (fwd+bwd ms, chunks of 32K / 256K / 1M
+# elements): (8,256,14,14)->256 41.7 / 27.0 / 25.5, (8,512,7,7)->512 78 / 64 / 33.
+CHUNK_ELEMENTS = 1 << 19
+BACKWARD_CHUNK_ELEMENTS = 1 << 20
+MIN_CHUNKS = 4
 
 
 # --------------------------------------------------------------------------- layout of the work
@@ -149,61 +154,8 @@ def _col2im(dcols, dxp, omap, lg, g, l0, l1):
 
 # --------------------------------------------------------------------------- epilogues (bias, activation, act')
 #
-# A loop calling act(v, code, slope) with a runtime code is neither unswitched nor vectorised
-# by LLVM: relu then branches on the data's sign and mispredicts half the time (35x slower
-# measured).  So the loop nests take a *kind*, passed as a literal by the entry points: 0
-# identity, 1 rectifier (relu, or leaky_relu: max-like selects once the literal is folded; relu
-# is the slope-0 case), 2 any other activation, whose libm calls dominate anyway and which goes
-# through one called (not inlined) function, so that every activation's code is compiled once
-# rather than into each loop nest.  Three copies of each loop nest, not one per activation,
-# keeps the compile time down.
-
-
-@njit(**_OPTS)
-def _act_any(v, code, slope):
-    return act(v, code, slope)
-
-
-@njit(**_OPTS)
-def _dact_any(v, code, slope, from_output):
-    """act' at an element, from the output y (``from_output``) or from the pre-activation z."""
-    if code == 0:
-        return 1.0
-    if from_output:
-        if code == 1:
-            return 1.0 if v > 0.0 else 0.0
-        if code == 2:
-            return v * (1.0 - v)
-        if code == 3:
-            return 1.0 - v * v
-        return 1.0 if v > 0.0 else slope
-    return act_grad(v, code, slope)
-
-
-@njit(inline="always", **_OPTS)
-def apply_kind(v, kind, code, slope):
-    """act(v) for a loop of the given kind (see above); kind 1 takes the rectifier's slope."""
-    if kind == 0:
-        return v
-    if kind == 1:
-        return v if v > 0.0 else slope * v + 0.0  # + 0.0: relu gives +0.0, as PyTorch does, not -0.0
-    return _act_any(v, code, slope)
-
-
-@njit(inline="always", **_OPTS)
-def deriv_kind(v, kind, code, slope, from_output):
-    """act'(v) for a loop of the given kind; kind 1 reads it from the output y."""
-    if kind == 0:
-        return 1.0
-    if kind == 1:
-        return 1.0 if v > 0.0 else slope
-    return _dact_any(v, code, slope, from_output)
-
-
-@njit(inline="always", **_OPTS)
-def rectifier_slope(code, slope):
-    """The negative-side slope of relu (0) or leaky_relu."""
-    return 0.0 if code == 1 else slope
+# Loop nests take an activation *kind* (see ``kernels_cpu.activations``): 0 identity, 1 rectifier,
+# 2 any other activation.
 
 
 @njit(inline="always", **_OPTS)
@@ -452,11 +404,10 @@ class _Plan:
         self.n = n = x_shape[0] if call.batched else 1
         channels = x_shape[-1] if last else x_shape[1 if call.batched else 0]
         self.o = o = int(weight_shape[0])
-        self.groups = groups = int(call.groups)
+        self.groups = int(call.groups)
         self.taps = taps = math.prod(kernel)
         cg = int(weight_shape[1])
         self.width = width = cg * taps
-        og = o // groups
         # The zero-padded input (N, C, Dp, Hp, Wp) or (N, Dp, Hp, Wp, C), and where x sits in it.
         sp = tuple(s + a + b for s, a, b in zip(size, lo, hi))
         self.padded = any(lo) or any(hi)
@@ -479,25 +430,30 @@ class _Plan:
         self.macs = n * positions * o * width
         # Chunk sizes (see the module docstring): bounded im2col buffer and single-threaded BLAS products.
         line = max(1, width * out[2])  # (no channels: width 0)
-        self.lines = max(1, min(CHUNK_ELEMENTS // line, CHUNK_MACS // max(1, og * line)))
+        lines = n * out[0] * out[1]
+        self.lines = max(1, min(CHUNK_ELEMENTS // line, -(-lines // MIN_CHUNKS)))
         image = max(1, width * positions)
-        self.images = max(1, min(CHUNK_ELEMENTS // image, CHUNK_MACS // max(1, og * image)))
+        self.images = max(1, min(BACKWARD_CHUNK_ELEMENTS // image, -(-n // MIN_CHUNKS)))
 
 
 _PLANS: dict = {}
 _PLANS_KEPT = 64
 
 
-def _plan(call, weight_shape):
-    """The call's plan, cached by geometry: building one costs ~0.1 ms, which small layers notice."""
+def _plan(call, weight_shape, shifted=False):
+    """The call's plan (im2col, or shifted products), cached by geometry: building one costs ~0.1 ms,
+    which small layers notice."""
     p = call.params
     key = (tuple(call.arrays["x"].shape), tuple(weight_shape), call.layout, p["batched"], p["kernel"], p["stride"],
-           p["dilation"], p["pad_lo"], p["pad_hi"], p["groups"], CHUNK_ELEMENTS, CHUNK_MACS)
+           p["dilation"], p["pad_lo"], p["pad_hi"], p["groups"], CHUNK_ELEMENTS, BACKWARD_CHUNK_ELEMENTS, MIN_CHUNKS,
+           shifted,
+           _conv_shifted.BLOCK_ELEMENTS, _conv_shifted.WEIGHT_TASKS, _conv_shifted.WEIGHT_BLOCK_BYTES,
+           _conv_shifted.WEIGHT_PARTIAL_BYTES)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= _PLANS_KEPT:
             _PLANS.clear()
-        plan = _PLANS[key] = _Plan(call, weight_shape)
+        plan = _PLANS[key] = (_conv_shifted.ShiftedPlan if shifted else _Plan)(call, weight_shape)
     return plan
 
 
@@ -537,8 +493,14 @@ def _padded_input(x, plan):
 
 
 def conv_forward(call):
-    """y = act(conv(x, weight) + bias); residuals (padded x, weight matrix, kept y or z, plan, call)."""
+    """y = act(conv(x, weight) + bias); residuals (padded x, weight matrix, kept y or z, plan, call).
+
+    Layers with many channels per group run as shifted products instead (:mod:`._conv_shifted`).
+    """
     x, weight = call.x, call.weight
+    if _conv_shifted.applies(call, weight.shape):
+        plan = _plan(call, weight.shape, shifted=True)
+        return _conv_shifted.conv_forward(call, plan, plan.macs >= PARALLEL_MIN_MACS)
     plan = _plan(call, weight.shape)
     dtype = x.dtype
     xp = _padded_input(x, plan)
@@ -563,6 +525,8 @@ def conv_forward(call):
 
 def conv_backward(residuals, cotangents, needs, out=None):
     """dx, dweight, dbias from one pass per image chunk (see the module docstring)."""
+    if isinstance(residuals, _conv_shifted.Residuals):
+        return _conv_shifted.conv_backward(residuals, cotangents, needs, out)
     xp, w3, kept, plan, call = residuals
     out = out or {}
     dtype = xp.dtype

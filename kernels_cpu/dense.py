@@ -30,7 +30,7 @@ from portable_nn.reference.activations import keeps_output_only
 
 from . import _runtime
 from ._runtime import into as _into
-from .conv import apply_kind, deriv_kind, rectifier_slope
+from .activations import apply_kind, deriv_kind, rectifier_slope
 
 _OPTS = {"cache": True, "error_model": "numpy", "nogil": True}
 # Below this many output elements the epilogue and gradient passes run serially, in the same

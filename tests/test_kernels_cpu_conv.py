@@ -16,6 +16,7 @@ from pnn_testing import rel_err
 pytest.importorskip("numba")
 pytestmark = pytest.mark.skipif(not pnn.available_backends()["numba"], reason="numba not installed")
 
+from kernels_cpu import _conv_shifted as ks  # noqa: E402
 from kernels_cpu import conv as kc  # noqa: E402  (imports numba)
 from kernels_cpu import dense as kd  # noqa: E402
 
@@ -62,12 +63,25 @@ def path(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["im2col", "shifted"])
+def method(request, monkeypatch):
+    """The im2col kernels (few channels per group) or the shifted products (many), whatever the geometry."""
+    monkeypatch.setattr(kc, "_PLANS", {})  # plans are cached by geometry
+    monkeypatch.setattr(ks, "SHIFTED_MIN_CHANNELS", 1 if request.param == "shifted" else 1 << 30)
+    monkeypatch.setattr(ks, "SHIFTED_MAX_DROPPED", 1.0)
+    return request.param
+
+
 @pytest.fixture(params=["one-line", "crossing", "default"])
 def chunks(request, monkeypatch):
-    """Chunk sizes: one output line / image per chunk, 3-line chunks crossing image boundaries, default."""
+    """Chunk sizes: one output line / image per chunk, 3-line chunks crossing image boundaries, default.
+    For the shifted products: one-row blocks (weight gradient: one tap per task), odd-sized blocks, default."""
     monkeypatch.setattr(kc, "_PLANS", {})  # plans are cached by geometry
     if request.param == "one-line":
         monkeypatch.setattr(kc, "CHUNK_ELEMENTS", 1)
+        monkeypatch.setattr(ks, "BLOCK_ELEMENTS", 1)
+        monkeypatch.setattr(ks, "WEIGHT_BLOCK_BYTES", 1)
+        monkeypatch.setattr(ks, "WEIGHT_TASKS", 1000)
     elif request.param == "crossing":
         original = kc._Plan.__init__
 
@@ -77,6 +91,10 @@ def chunks(request, monkeypatch):
             self.images = 2
 
         monkeypatch.setattr(kc._Plan, "__init__", three_lines)
+        monkeypatch.setattr(ks, "BLOCK_ELEMENTS", 7)
+        monkeypatch.setattr(ks, "WEIGHT_BLOCK_BYTES", 700)
+        monkeypatch.setattr(ks, "WEIGHT_PARTIAL_BYTES", 3000)
+        monkeypatch.setattr(ks, "WEIGHT_TASKS", 5)
     return request.param
 
 
@@ -92,7 +110,7 @@ def test_auto_picks_numba_for_numpy_float32():
 
 @pytest.mark.parametrize("layout", ["first", "last"])
 @pytest.mark.parametrize("geom", list(GEOMS))
-def test_conv_float64_matches_reference(geom, layout, path, chunks):
+def test_conv_float64_matches_reference(geom, layout, path, chunks, method):
     args, kwargs = _conv_data(GEOMS[geom], layout, np.float64)
     kwargs["activation"] = "gelu" if layout == "first" else "relu"
     got = _run(pnn.conv, args, kwargs, "numba")
@@ -104,7 +122,7 @@ def test_conv_float64_matches_reference(geom, layout, path, chunks):
 
 @pytest.mark.parametrize("act", ["identity", "relu", ("leaky_relu", 0.2), ("leaky_relu", -0.3), "sigmoid", "tanh",
                                  "silu", "gelu_tanh"])
-def test_conv_every_activation_float32(act, path):
+def test_conv_every_activation_float32(act, path, method):
     """float32 against the float64 reference: each activation's epilogue and derivative branch."""
     args, kwargs = _conv_data(GEOMS["2d-s2-d2-g2-pad"], "last", np.float32)
     kwargs["activation"] = act
@@ -116,7 +134,7 @@ def test_conv_every_activation_float32(act, path):
 
 
 @pytest.mark.parametrize("wrt", [("weight",), ("x",), ("bias",), ("x", "bias")])
-def test_conv_partial_gradients(wrt):
+def test_conv_partial_gradients(wrt, method):
     args, kwargs = _conv_data(GEOMS["2d-same-depthwise"], "first", np.float64)
     kwargs["activation"] = "silu"
     got = _run(pnn.conv, args, kwargs, "numba", wrt=wrt)
@@ -129,7 +147,7 @@ def test_conv_partial_gradients(wrt):
 
 
 @pytest.mark.parametrize("layout", ["first", "last"])
-def test_conv_serial_and_parallel_agree_bitwise(layout, monkeypatch):
+def test_conv_serial_and_parallel_agree_bitwise(layout, method, monkeypatch):
     """Chunking depends on the shape only and partial sums are reduced in chunk order."""
     args, kwargs = _conv_data(GEOMS["lenet-like"], layout, np.float32)
     kwargs["activation"] = "relu"
@@ -141,7 +159,7 @@ def test_conv_serial_and_parallel_agree_bitwise(layout, monkeypatch):
         assert np.array_equal(a, b)
 
 
-def test_conv_bitwise_deterministic(path):
+def test_conv_bitwise_deterministic(path, method):
     args, kwargs = _conv_data(GEOMS["3d-mixed"], "first", np.float32)
     kwargs["activation"] = "gelu"
     first, second = (_run(pnn.conv, args, kwargs, "numba") for _ in range(2))
@@ -149,7 +167,7 @@ def test_conv_bitwise_deterministic(path):
         assert np.array_equal(a, b)
 
 
-def test_conv_out_buffers_written_in_place(path):
+def test_conv_out_buffers_written_in_place(path, method):
     args, kwargs = _conv_data(GEOMS["2d-s2-d2-g2-pad"], "last", np.float32)
     kwargs["activation"] = "tanh"
     expected = _run(pnn.conv, args, kwargs, "numba")
@@ -183,6 +201,51 @@ def test_conv_residuals_are_modest(act, kept):
         assert kept_array.shape == y.shape and not np.shares_memory(kept_array, y)
 
 
+@pytest.mark.parametrize("act, kept", [("identity", None), ("relu", "y"), ("gelu", "z")])
+def test_conv_shifted_residuals(act, kept):
+    """The shifted products keep their phase buffer (about x's size), the tap weights and y or z."""
+    from portable_nn.api.conv import _prepare_conv
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 48, 24, 24)).astype(np.float32)  # 16 channels per group, 7.6% dropped
+    w = rng.standard_normal((6, 16, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(6).astype(np.float32)
+    kwargs = {"padding": "same", "groups": 3}
+    call = _prepare_conv(x, w, b, activation=act, **kwargs).call.replace(save=True)
+    (y,), residuals = kc.conv_forward(call)
+    assert isinstance(residuals, ks.Residuals)
+    assert residuals.xs.size <= 1.3 * x.size and residuals.wk.size == w.size
+    if kept is None:
+        assert residuals.kept is None
+    elif kept == "y":
+        assert residuals.kept is y
+    else:
+        assert residuals.kept.shape == y.shape and not np.shares_memory(residuals.kept, y)
+
+
+def test_conv_resnet_layer_float32_matches_reference():
+    """A ResNet-like 3x3 layer (the shifted path by default), stride 1 and 2, both layouts, float32."""
+    rng = np.random.default_rng(0)
+    for stride, last in ((1, False), (2, True)):
+        x = rng.standard_normal((2, 32, 28, 28)).astype(np.float32)
+        w = (rng.standard_normal((24, 32, 3, 3)) / 17).astype(np.float32)
+        b = rng.standard_normal(24).astype(np.float32)
+        if last:
+            x = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+        kwargs = {"stride": stride, "padding": 1, "activation": "relu", "channel_axis": -1 if last else 1}
+        assert ks.applies(_prepared(x, w, b, kwargs), w.shape)
+        got = _run(pnn.conv, (x, w, b), kwargs, "numba")
+        expected = _run(pnn.conv, [a.astype(np.float64) for a in (x, w, b)], kwargs, "reference")
+        for name, a, e in zip(("y", "dx", "dweight", "dbias"), got, expected):
+            assert rel_err(a, e) <= 1e-5, f"{name}: {rel_err(a, e):.2e}"
+
+
+def _prepared(x, w, b, kwargs):
+    from portable_nn.api.conv import _prepare_conv
+
+    return _prepare_conv(x, w, b, **kwargs).call
+
+
 @pytest.mark.parametrize("x_shape, w_shape", [((2, 3, 0), (4, 3, 3)), ((2, 3, 5), (0, 3, 2)), ((2, 0, 5), (4, 0, 2))],
                          ids=["no-input-positions", "no-output-channels", "no-input-channels"])
 def test_conv_empty_extents(x_shape, w_shape):
@@ -197,7 +260,7 @@ def test_conv_empty_extents(x_shape, w_shape):
         assert rel_err(a, e) <= 1e-12
 
 
-def test_conv_strided_input_is_copied_and_correct():
+def test_conv_strided_input_is_copied_and_correct(method):
     (x, w, b), kwargs = _conv_data(GEOMS["2d-s2-d2-g2-pad"], "first", np.float64)
     strided = np.repeat(x, 2, axis=-1)[..., ::2]
     assert pnn.explain(pnn.conv, strided, w, b, **kwargs).copies == ["x"]
