@@ -22,13 +22,18 @@ if TYPE_CHECKING:
 __all__ = ["format_report", "plot_report", "report_json"]
 
 
+def _count(n: int, noun: str, plural: str = "s") -> str:
+    return f"{n} {noun}" + ("" if n == 1 else plural)
+
+
 def _mode_line(report: Report) -> str:
     s = report.settings
     if report.mode == "user":
+        rounds = _count(s.get("rounds", 0), "round")
         line = (f"MODE user (what users get): each contender in its own fresh process per workload, the user's "
-                f"environment, alternated over {s.get('rounds')} rounds; per process a warm-up (compilation "
-                f"excluded), then {s.get('repeats')} bursts of ~{1e3 * s.get('burst_s', 0):.0f} ms per phase; "
-                f"medians of the per-process medians")
+                f"environment, alternated over {rounds}; per process a warm-up (compilation excluded), then "
+                f"{s.get('repeats')} bursts of ~{1e3 * s.get('burst_s', 0):.0f} ms per phase; medians of the "
+                f"per-process medians")
         return line + (" — QUICK SHAPES" if report.quick else "")
     if report.mode == "quick":
         return ("QUICK RUN: small shapes, few short repeats, one process, contenders interleaved "
@@ -114,8 +119,9 @@ def _mixed(report: Report) -> list[str]:
     """The mixed section: each case's median step times and ratios."""
     if not report.mixed:
         return []
+    processes = _count(report.settings.get("rounds", 0), "fresh process", "es")
     lines = ["", f"mixed section: PyTorch and portable_nn in one process (user environment), each case in "
-             f"{report.settings.get('rounds')} fresh processes; ms per step (fwd+bwd or training step)"]
+             f"{processes}; ms per step (fwd+bwd or training step)"]
     for m in report.mixed:
         times = ", ".join(f"{k} {v:.3f}" for k, v in m.times_ms.items())
         ratios = ", ".join(f"{k} = {v:.2f}" + ("" if m.kind == "alternating" else "x") for k, v in m.ratios.items())
@@ -134,6 +140,19 @@ def _first_calls(report: Report) -> list[str]:
     return lines
 
 
+def _wrap(text: str, width: int = 118) -> list[str]:
+    """``text`` in lines of at most ``width`` characters, at its semicolons."""
+    lines, current = [], ""
+    for part in text.split("; "):
+        candidate = f"{current}; {part}" if current else part
+        if current and len(candidate) > width:
+            lines.append(current + ";")
+            current = part
+        else:
+            current = candidate
+    return [*lines, current]
+
+
 def format_report(report: Report) -> str:
     """The report as text: header, table, legend, mixed section, first calls, notes."""
     if report.mode == "user":
@@ -142,7 +161,8 @@ def format_report(report: Report) -> str:
                   "+peak = peak RSS while timing over the RSS before")
     else:
         legend = "vs torch = PyTorch's time / the contender's (> 1: faster); not a verdict: see the user mode"
-    lines = [*_header(report), "", *_table(report), legend, *_mixed(report), *_first_calls(report)]
+    table = [*_table(report), *_wrap(legend)] if report.rows else []
+    lines = [*_header(report), "", *table, *_mixed(report), *_first_calls(report)]
     if report.notes:
         lines += ["", "not measured:"] + [f"  {n}" for n in report.notes]
     return "\n".join(lines)
