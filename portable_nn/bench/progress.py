@@ -8,6 +8,7 @@ reads top to bottom; a terminal gets a redrawn bar when tqdm is installed
 from __future__ import annotations
 
 import contextlib
+import shutil
 import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
@@ -23,7 +24,9 @@ def _tqdm(total: int, stream: TextIO) -> Any:
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, file=stream, dynamic_ncols=True, leave=True)
+    # A pseudo-terminal may report a 0x0 size (tqdm would then hide its bar): fall back to 100x20.
+    size = shutil.get_terminal_size((100, 20))
+    return tqdm(total=total, file=stream, ncols=min(size.columns, 160), nrows=size.lines, leave=True)
 
 
 class Progress:
