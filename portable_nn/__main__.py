@@ -100,9 +100,29 @@ def main(argv: list[str] | None = None) -> int:
     from .examples import add_demo_arguments
 
     add_demo_arguments(demo)
-    bench = sub.add_parser("bench", help="benchmark every backend against PyTorch (fwd, bwd, fwd+bwd)")
-    bench.add_argument("--ops", help="comma-separated ops or workload names (default: all)")
-    bench.add_argument("--quick", action="store_true", help="small shapes, few repeats (a smoke test)")
+    bench = sub.add_parser("bench", help="benchmark every backend against PyTorch (fwd, bwd, fwd+bwd)",
+                           description="By default each contender runs each workload in its own fresh process "
+                           "with the user's environment (tuning variables removed), alternated over rounds; "
+                           "then PyTorch and portable_nn together in one process (the mixed section).")
+    bench.add_argument("--ops", help="comma-separated op names or workload-name substrings (default: all)")
+    mode = bench.add_mutually_exclusive_group()
+    mode.add_argument("--tuned", action="store_true",
+                      help="one process with tuning variables (OPENBLAS_THREAD_TIMEOUT, MALLOC_*), contenders "
+                      "interleaved: what the kernels can do, not what users get")
+    mode.add_argument("--quick", action="store_true",
+                      help="a one-process smoke test: small shapes, few short repeats (CI)")
+    bench.add_argument("--rounds", type=int, metavar="N", help="user mode: processes per contender, alternated "
+                       "(default 3)")
+    bench.add_argument("--repeats", type=int, metavar="N", help="timed bursts per phase (default: 7 per process "
+                       "in the user mode, 15 tuned, 3 quick)")
+    bench.add_argument("--isa", metavar="NAME[,NAME]",
+                       help="native (default) or avx2: force the AVX2 code paths in Numba, OpenBLAS, ATen and "
+                       "oneDNN; 'native,avx2' measures both (user mode)")
+    bench.add_argument("--with-reference", action="store_true",
+                       help="also time the reference backend (slow; not what users compare)")
+    bench.add_argument("--mixed", action="store_true",
+                       help="only the mixed section: PyTorch and portable_nn in one process (--ops filters cases)")
+    bench.add_argument("--no-mixed", action="store_true", help="leave the mixed section out of a full user run")
     bench.add_argument("--no-cold", action="store_true",
                        help="skip the cold-compile measurement (tens of seconds per op, empty cache)")
     bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")

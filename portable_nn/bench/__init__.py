@@ -1,45 +1,57 @@
-"""Benchmark suite: ``python -m portable_nn bench [--ops ...] [--quick] [--json P] [--plot P]``.
+"""Benchmark suite: ``python -m portable_nn bench [--tuned | --quick] [--ops ...] [--json P] [--plot P]``.
 
-Each workload runs forward, backward and forward+backward for every backend
-that implements the op, and PyTorch when installed, *interleaved* in one
-process (round-robin, so drift hits everyone alike; each sample a burst of
-back-to-back calls of ~20 ms, reported per call), reporting medians, the
-time ratio to PyTorch (> 1 means faster than PyTorch) and, for memory-bound
-ops, GB/s as a fraction of a copy bandwidth measured in the same run.
+Each workload (:mod:`portable_nn.bench.workloads`) runs forward, backward and
+forward+backward for portable_nn's CPU backends and PyTorch.  Three modes:
 
-The process is configured as ``../shared/PERFORMANCE.md`` describes: the suite
-re-executes itself with ``OPENBLAS_THREAD_TIMEOUT`` (no spinning BLAS threads
-stealing a core) and glibc ``MALLOC_*`` settings (no page faults on every
-large output), for every contender alike, and pins 2 threads for everyone.
+* **user** (the default) — what users get.  Every contender runs each workload in its own
+  fresh Python process (:mod:`portable_nn.bench.isolated`, :mod:`portable_nn.bench.worker`)
+  with the user's environment: the process environment less the tuning variables
+  (``OPENBLAS_CORETYPE``, ``OPENBLAS_L2_SIZE``, ``OPENBLAS_THREAD_TIMEOUT``, ``MALLOC_*``,
+  ``OMP_WAIT_POLICY``), nothing added (:mod:`portable_nn.bench.environment`).  A process builds
+  the workload, warms it up (compilation and first calls excluded), times steady-state bursts
+  and reports per-phase medians and its memory (one-time footprint, steady-state peak growth);
+  the contenders alternate process by process (A, B, A, B, A, B for ``--rounds 3``) and each
+  result is the median over rounds.  Then the **mixed** section (:mod:`portable_nn.bench.mixed`):
+  PyTorch and portable_nn in one process.  The ratio to PyTorch of this mode is the verdict.
+* **tuned** (``--tuned``) — the earlier harness: one process, re-executed with
+  ``OPENBLAS_THREAD_TIMEOUT`` and glibc ``MALLOC_*`` settings, every contender *interleaved*
+  (round-robin, a settle pause before each burst).  It shows what the kernels can do in a
+  configured process, not what a user gets.
+* **quick** (``--quick``) — a one-process smoke test with small shapes and few, short
+  repeats (CI runs it); its labels show the shapes it ran.
+
+``--isa avx2`` (or ``native,avx2``) forces the AVX2 code paths in every library
+(:data:`~portable_nn.bench.environment.ISA_SETTINGS`).  Two threads for every contender.
+Reported: medians, the time ratio to PyTorch (> 1: faster than PyTorch), for memory-bound
+workloads GB/s and its fraction of a copy's bandwidth measured in the same run, and memory.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .. import dispatch
+from .environment import ISA_SETTINGS, describe_machine, tuned_environment, user_environment
+from .progress import Progress
 from .workloads import WORKLOADS, Workload
 
-__all__ = ["main", "run_suite"]
+__all__ = ["Report", "Row", "Settings", "main", "run_suite", "run_user_suite", "time_interleaved"]
 
-_PROCESS_ENV = {
-    "OPENBLAS_THREAD_TIMEOUT": "4",
-    "MALLOC_MMAP_MAX_": "0",
-    "MALLOC_TRIM_THRESHOLD_": "68719476736",
-}
+#: Set in the re-executed process of an in-process mode (its environment is configured).
 _MARK = "PORTABLE_NN_BENCH_CONFIGURED"
+
+MODES = ("user", "tuned", "quick")
 
 
 @dataclass
@@ -55,6 +67,10 @@ class Row:
     ratio_vs_reference: float | None = None
     gbps: float | None = None
     fraction_of_copy: float | None = None
+    isa: str = "native"
+    per_round_ms: list[float] = field(default_factory=list)  # user mode: each process's median
+    footprint_mib: float | None = None  # user mode: RSS after warm-up minus RSS after ``import numpy``
+    peak_growth_mib: float | None = None  # user mode: peak RSS while timing over the RSS before
 
 
 @dataclass
@@ -65,37 +81,53 @@ class Report:
     first_call: dict[str, dict[str, float]] = field(default_factory=dict)
     quick: bool = False
     notes: list[str] = field(default_factory=list)  # what could not be measured, and why
+    mode: str = "tuned"
+    settings: dict[str, Any] = field(default_factory=dict)
+    environments: dict[str, dict[str, Any]] = field(default_factory=dict)  # per ISA: header and copy GB/s
+    mixed: list[Any] = field(default_factory=list)  # MixedRow
+
+
+@dataclass
+class Settings:
+    """What a ``bench`` run measures and how (the command line's options)."""
+
+    mode: str = "user"
+    ops: list[str] | None = None
+    isas: list[str] = field(default_factory=lambda: ["native"])
+    rounds: int = 3
+    repeats: int = 7  # bursts per phase: per process (user mode), or in all (in-process modes)
+    burst_s: float = 0.02
+    settle_s: float = 0.0
+    threads: int = 2
+    with_reference: bool = False
+    workloads: bool = True
+    mixed: bool = False
+    cold: bool = True
+    progress: bool = True
+    quick: bool = False  # the quick shapes (the quick mode's, or a user-mode smoke test's)
+
+
+def settings_for(mode: str, **given: Any) -> Settings:
+    """The defaults of ``mode`` (repeats, burst and settle lengths) updated with ``given``."""
+    defaults: dict[str, dict[str, Any]] = {
+        "user": {"repeats": 7, "burst_s": 0.02, "settle_s": 0.0},
+        "tuned": {"repeats": 15, "burst_s": 0.02, "settle_s": 0.02},
+        "quick": {"repeats": 3, "burst_s": 0.005, "settle_s": 0.002, "cold": False, "quick": True},
+    }
+    return Settings(mode=mode, **{**defaults[mode], **given})
 
 
 def _threads(n: int) -> None:
+    """In-process modes: ``n`` threads for PyTorch (when installed) and portable_nn."""
+    import portable_nn as pnn
+
+    pnn.set_num_threads(n)
     try:
         import torch
 
         torch.set_num_threads(n)
     except ImportError:
         pass
-    try:
-        import numba
-
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-    except ImportError:
-        pass
-
-
-def _environment() -> dict[str, Any]:
-    from ..__main__ import _version
-
-    env = {k: os.environ.get(k, "") for k in (*_PROCESS_ENV, "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
-                                               "NUMBA_THREADING_LAYER")}
-    return {
-        "python": platform.python_version(),
-        "machine": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "numpy": np.__version__,
-        "numba": _version("numba"),
-        "torch": _version("torch"),
-        "env": env,
-    }
 
 
 def _copy_bandwidth(quick: bool) -> float:
@@ -119,7 +151,12 @@ def _copy_bandwidth(quick: bool) -> float:
 
 
 def progress_bar(done: int, total: int, label: str) -> None:
-    """A one-line progress bar on stderr, redrawn in place."""
+    """Progress on stderr: a bar redrawn in place on a terminal, one plain line per step otherwise."""
+    if not sys.stderr.isatty():
+        if done < total:
+            sys.stderr.write(f"[{done + 1}/{total}] {label}\n")
+        sys.stderr.flush()
+        return
     width = 30
     filled = int(width * done / max(total, 1))
     sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label[:40]:40s}")
@@ -199,44 +236,156 @@ def _cpu_probe() -> dispatch.Call:
     return dispatch.Call("probe", {}, {}, xp=xp, family="numpy", device="cpu", dtype="float32")
 
 
-def run_suite(ops: list[str] | None = None, quick: bool = False, progress: bool = True,
-              cold: bool = True) -> Report:
-    """Measure every selected workload; returns the :class:`Report`."""
-    _threads(2)
-    report = Report(_environment(), _copy_bandwidth(quick), quick=quick)
-    selected = [w for w in WORKLOADS if ops is None or w.name in ops or any(op in ops for op in w.ops)]
-    repeats = 5 if quick else 15
-    total = len(selected)
-    for n, workload in enumerate(selected):
-        if progress:
-            progress_bar(n, total, workload.name)
-        cases = workload.build(quick)
-        fns: dict[tuple[str, str], Callable[[], Any]] = {}
-        for backend in _contenders(workload):
-            for phase, fn in cases.portable(backend).items():
-                fns[(backend, phase)] = fn
-        if cases.torch is not None:
-            for phase, fn in cases.torch().items():
-                fns[("torch", phase)] = fn
-        timed = time_interleaved({f"{b}|{p}": fn for (b, p), fn in fns.items()}, repeats)
-        for key, seconds in timed.items():
-            contender, phase = key.split("|")
-            moved = cases.bytes_moved.get(phase, 0)
-            row = Row(workload.name, contender, phase, seconds * 1e3, moved)
-            torch_s = timed.get(f"torch|{phase}")
-            if torch_s is not None:
-                row.ratio_vs_torch = torch_s / seconds
-            ref_s = timed.get(f"reference|{phase}")
-            if ref_s is not None and contender != "reference":
-                row.ratio_vs_reference = ref_s / seconds
-            if moved:
-                row.gbps = moved / seconds / 1e9
-                row.fraction_of_copy = row.gbps / report.copy_gbps
-            report.rows.append(row)
-    if progress:
-        progress_bar(total, total, "done")
-    report.first_call = _first_call_latency(selected, quick or not cold)
+def select_workloads(ops: Sequence[str] | None) -> list[Workload]:
+    """The workloads ``--ops`` selects (an op name or a substring of a workload's name; all when empty)."""
+    return [w for w in WORKLOADS if w.matches(ops)]
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def add_rows(report: Report, label: str, timed: Mapping[tuple[str, str], float], moved: Mapping[str, int],
+             isa: str = "native", copy_gbps: float | None = None,
+             extra: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    """Append one workload's rows: seconds per (contender, phase) → ms, ratios, GB/s.
+
+    ``extra`` maps a contender to further :class:`Row` fields (per-round times, memory).
+    """
+    copy_gbps = copy_gbps or report.copy_gbps
+    for (contender, phase), seconds in timed.items():
+        nbytes = moved.get(phase, 0)
+        row = Row(label, contender, phase, seconds * 1e3, nbytes, isa=isa)
+        torch_s = timed.get(("torch", phase))
+        if torch_s is not None:
+            row.ratio_vs_torch = torch_s / seconds
+        ref_s = timed.get(("reference", phase))
+        if ref_s is not None and contender != "reference":
+            row.ratio_vs_reference = ref_s / seconds
+        if nbytes and copy_gbps:
+            row.gbps = nbytes / seconds / 1e9
+            row.fraction_of_copy = row.gbps / copy_gbps
+        for key, value in (extra or {}).get(contender, {}).items():
+            setattr(row, key, value[phase] if key == "per_round_ms" else value)
+        report.rows.append(row)
+
+
+# --------------------------------------------------------------------------- in-process modes (tuned, quick)
+
+
+def run_suite(ops: list[str] | None = None, quick: bool = False, progress: bool = True, cold: bool = True,
+              settings: Settings | None = None) -> Report:
+    """Every selected workload in this process, contenders interleaved; returns the :class:`Report`.
+
+    The tuned and quick modes (``settings`` defaults to theirs for ``quick``).
+    """
+    s = settings or settings_for("quick" if quick else "tuned", ops=ops, progress=progress, cold=cold)
+    _threads(s.threads)
+    machine = describe_machine()
+    report = Report(machine, _copy_bandwidth(s.quick), quick=s.quick, mode=s.mode, settings=asdict(s))
+    isa = s.isas[0]
+    report.environments = {isa: {**machine, "copy_gbps": report.copy_gbps}}
+    selected = select_workloads(s.ops)
+    bar = Progress(len(selected), enabled=s.progress)
+    for workload in selected:
+        label = workload.label(s.quick)
+        with bar.step(label):
+            cases = workload.build(s.quick)
+            fns: dict[tuple[str, str], Callable[[], Any]] = {}
+            for backend in _contenders(workload):
+                if s.with_reference or backend != "reference":
+                    fns.update({(backend, phase): fn for phase, fn in cases.portable(backend).items()})
+            if cases.torch is not None:
+                fns.update({("torch", phase): fn for phase, fn in cases.torch().items()})
+            timed = time_interleaved({f"{b}|{p}": fn for (b, p), fn in fns.items()}, s.repeats,
+                                     settle_s=s.settle_s, burst_s=s.burst_s)
+            add_rows(report, label, {tuple(k.split("|")): v for k, v in timed.items()}, cases.bytes_moved, isa)
+    bar.close()
+    if not s.quick:
+        report.first_call = _first_call_latency(selected, not s.cold, dict(os.environ))
     return report
+
+
+# --------------------------------------------------------------------------- user mode (isolated processes)
+
+
+def isa_environment(isa: str) -> dict[str, str]:
+    """The user environment with ``isa``'s settings: what every user-mode worker gets."""
+    return user_environment(isa=isa)
+
+
+def run_user_suite(settings: Settings) -> Report:
+    """User mode: each contender in its own process per workload, alternated; then the mixed section."""
+    from .isolated import WorkerError, combine_rounds, isolated_contenders, measure_workload, probe
+
+    s = settings
+    kept = user_environment()
+    removed = {k: v for k, v in os.environ.items() if k not in kept}
+    report = Report({}, 0.0, quick=s.quick, mode=s.mode, settings={**asdict(s), "removed": removed})
+    for isa in s.isas:
+        try:
+            found = probe(isa_environment(isa), s.quick, s.threads)
+        except WorkerError as exc:
+            report.notes.append(f"probe [{isa}]: {exc}")
+            continue
+        report.environments[isa] = {**found["machine"], "env": found["env"], "copy_gbps": found["copy_gbps"]}
+    first = report.environments.get(s.isas[0], {})
+    report.environment, report.copy_gbps = first, first.get("copy_gbps", 0.0)
+    selected = select_workloads(s.ops) if s.workloads else []
+    plan = [(w, isa, isolated_contenders(w, s.with_reference)) for w in selected for isa in s.isas]
+    bar = Progress(sum(len(c) for _, _, c in plan) * s.rounds, enabled=s.progress)
+    for workload, isa, contenders in plan:
+        label = workload.label(s.quick)
+        results, notes = measure_workload(workload, contenders, isa_environment(isa), rounds=s.rounds,
+                                          quick=s.quick, repeats=s.repeats, burst_s=s.burst_s, threads=s.threads,
+                                          progress=bar, label=f"{label} [{isa}]" if len(s.isas) > 1 else label)
+        report.notes += notes
+        if not results:
+            continue
+        combined = {c: combine_rounds(r) for c, r in results.items()}
+        timed = {(c, p): sec for c, r in combined.items() for p, sec in r["phases"].items()}
+        moved = next(iter(combined.values()))["bytes_moved"]
+        extra = {c: {"per_round_ms": {p: [1e3 * v for v in vs] for p, vs in r["per_round"].items()},
+                     **r["memory"]} for c, r in combined.items()}
+        copy_gbps = report.environments.get(isa, {}).get("copy_gbps")
+        add_rows(report, label, timed, moved, isa, copy_gbps, extra)
+    bar.close()
+    if s.mixed:
+        report.mixed = run_mixed_section(s, report.notes)
+    if selected and not s.quick:
+        report.first_call = _first_call_latency(selected, not s.cold, isa_environment(s.isas[0]))
+    return report
+
+
+def run_mixed_section(s: Settings, notes: list[str]) -> list[Any]:
+    """The mixed cases (selected by ``--ops`` substrings when given), each in fresh processes, ``s.rounds`` times."""
+    from .isolated import WorkerError, have_torch, run_worker
+    from .mixed import MIXED_CASES, mixed_row
+
+    if not have_torch():
+        notes.append("mixed section: PyTorch is not installed")
+        return []
+    cases = [c for c in MIXED_CASES if not s.ops or s.workloads or any(o in c.name for o in s.ops)]
+    env = isa_environment(s.isas[0])
+    bar = Progress(len(cases) * s.rounds, enabled=s.progress)
+    rows = []
+    for case in cases:
+        rounds = []
+        for r in range(s.rounds):
+            with bar.step(f"mixed: {case.label(s.quick)} | round {r + 1}/{s.rounds}"):
+                spec = {"kind": "mixed", "case": case.name, "quick": s.quick, "threads": s.threads,
+                        "repeats": s.repeats, "burst_s": max(s.burst_s, 0.05 if not s.quick else 0.01)}
+                try:
+                    rounds.append(run_worker(spec, env))
+                except WorkerError as exc:
+                    notes.append(f"mixed: {case.label(s.quick)}: {exc}")
+                    break
+        if rounds:
+            rows.append(mixed_row(case, s.quick, rounds))
+    bar.close()
+    return rows
+
+
+# --------------------------------------------------------------------------- first calls
 
 
 _FIRST_CALL = """
@@ -258,15 +407,18 @@ print(t1 - t0, time.perf_counter() - t1)
 """
 
 
-def _first_call_latency(selected: list[Workload], quick: bool) -> dict[str, dict[str, float]]:
+def _first_call_latency(selected: list[Workload], quick: bool, env: Mapping[str, str]) -> dict[str, dict[str, float]]:
     """Seconds of the first fwd+bwd call in a new process.
 
     Reported per op: ``warm_cache_s`` — the process's first call of anything, warm on-disk
     cache (includes Numba's one-off start-up: importing numba and its BLAS bindings, its typing
     registries, the thread pool); ``startup_s`` — that one-off part alone, measured with a
     trivial kernel; ``op_after_startup_s`` — the op's own first call once Numba is up (what
-    every further op costs); ``cold_compile_s`` — first call with an empty cache (full runs only).
+    every further op costs); ``cold_compile_s`` — first call with an empty cache (unless ``quick``).
+    Each in a new process with ``env``.
     """
+    from .isolated import package_root
+
     if not dispatch.backend_status("numba"):
         return {}
     result = {}
@@ -285,7 +437,7 @@ def _first_call_latency(selected: list[Workload], quick: bool) -> dict[str, dict
         for label, mode, extra in runs:
             out = subprocess.run(
                 [sys.executable, "-c", _FIRST_CALL, workload.name, mode],
-                capture_output=True, text=True, env={**os.environ, **extra}, timeout=900,
+                capture_output=True, text=True, env={**env, **extra}, timeout=900, cwd=package_root(),
             )
             if out.returncode == 0:
                 startup, op_s = (float(v) for v in out.stdout.strip().splitlines()[-1].split())
@@ -296,76 +448,76 @@ def _first_call_latency(selected: list[Workload], quick: bool) -> dict[str, dict
     return result
 
 
-def format_report(report: Report) -> str:
-    """The report as a text table."""
-    env = report.environment
-    lines = [
-        "QUICK RUN: small shapes, few repeats (a smoke test, not a measurement)" if report.quick else
-        "standard shapes, medians of 15 interleaved repeats (each a ~20 ms burst of calls, per call)",
-        f"python {env['python']}, numpy {env['numpy']}, numba {env['numba']}, torch {env['torch']}, "
-        f"{env['cpus']} CPUs, 2 threads for everyone",
-        "env: " + ", ".join(f"{k}={v or '-'}" for k, v in env["env"].items()),
-        f"copy bandwidth (read+write): {report.copy_gbps:.1f} GB/s",
-        "",
-        f"{'workload':38s} {'contender':10s} {'phase':8s} {'median ms':>10s} {'vs torch':>9s} {'vs ref':>7s} "
-        f"{'GB/s':>7s} {'% copy':>7s}",
-    ]
-    for r in report.rows:
-        ratio = f"{r.ratio_vs_torch:.2f}x" if r.ratio_vs_torch is not None else "-"
-        vs_ref = f"{r.ratio_vs_reference:.1f}x" if r.ratio_vs_reference is not None else "-"
-        gbps = f"{r.gbps:.1f}" if r.gbps is not None else "-"
-        frac = f"{100 * r.fraction_of_copy:.0f}%" if r.fraction_of_copy is not None else "-"
-        lines.append(f"{r.workload:38s} {r.contender:10s} {r.phase:8s} {r.median_ms:10.3f} {ratio:>9s} "
-                     f"{vs_ref:>7s} {gbps:>7s} {frac:>7s}")
-    if report.first_call:
-        lines += ["", "first fwd+bwd call in a new process (numba, seconds): warm_cache = the process's first call "
-                  "(with numba's one-off startup); op_after_startup = the op's own first call once numba is up"]
-        for op, entry in report.first_call.items():
-            lines.append(f"  {op:14s} " + ", ".join(f"{k}={v:.2f}" for k, v in entry.items()))
-    return "\n".join(lines)
+# --------------------------------------------------------------------------- command line
 
 
-def _plot(report: Report, path: str) -> None:
-    """Horizontal bars: each workload's fwd+bwd speed vs PyTorch, one bar per backend (log scale)."""
-    import matplotlib
+def split_selectors(text: str) -> list[str]:
+    """``--ops`` at its commas, except those inside parentheses (workload names hold shapes like ``(4096,1024)``)."""
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth <= 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    return [p.strip() for p in [*parts, current] if p.strip()]
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    rows = [r for r in report.rows if r.contender != "torch" and r.ratio_vs_torch and r.phase == "fwd+bwd"]
-    workloads = list(dict.fromkeys(r.workload for r in rows))
-    backends = list(dict.fromkeys(r.contender for r in rows))
-    height = 0.8 / max(len(backends), 1)
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(workloads) + 1.2))
-    for k, backend in enumerate(backends):
-        ratio = {r.workload: r.ratio_vs_torch for r in rows if r.contender == backend}
-        ys = [i + k * height for i, w in enumerate(workloads) if w in ratio]
-        ax.barh(ys, [ratio[w] for w in workloads if w in ratio], height=height, label=backend)
-    ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_yticks([i + 0.4 - height / 2 for i in range(len(workloads))], workloads, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xscale("log")
-    ax.set_xlabel("fwd+bwd speed vs PyTorch (x, > 1 is faster)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def settings_from_args(args: Any) -> Settings:
+    """The :class:`Settings` of parsed ``bench`` arguments."""
+    mode = "quick" if args.quick else "tuned" if getattr(args, "tuned", False) else "user"
+    isas = [i.strip() for i in (getattr(args, "isa", None) or "native").split(",") if i.strip()]
+    unknown = [i for i in isas if i not in ISA_SETTINGS]
+    if unknown:
+        raise SystemExit(f"bench: unknown --isa {', '.join(unknown)} (choose from {', '.join(ISA_SETTINGS)})")
+    if mode != "user" and len(isas) > 1:
+        raise SystemExit("bench: several --isa values need the user mode (one process cannot change its ISA)")
+    ops = split_selectors(args.ops) if args.ops else None
+    mixed_only = getattr(args, "mixed", False)
+    given: dict[str, Any] = {
+        "ops": ops, "isas": isas, "with_reference": getattr(args, "with_reference", False),
+        "workloads": not mixed_only,
+        "mixed": mixed_only or (mode == "user" and ops is None and not getattr(args, "no_mixed", False)),
+        "progress": True,
+    }
+    if getattr(args, "no_cold", False):
+        given["cold"] = False
+    if getattr(args, "rounds", None):
+        given["rounds"] = args.rounds
+    if getattr(args, "repeats", None):
+        given["repeats"] = args.repeats
+    return settings_for(mode, **given)
+
+
+def _in_process_environment(s: Settings) -> dict[str, str] | None:
+    """The environment an in-process mode must re-execute itself with, or ``None`` when this one will do."""
+    if s.mode == "tuned":
+        return tuned_environment(isa=s.isas[0])
+    if ISA_SETTINGS[s.isas[0]]:
+        return {**os.environ, **ISA_SETTINGS[s.isas[0]]}
+    return None
 
 
 def main(args: Any) -> int:
-    """Entry point of ``python -m portable_nn bench`` (re-executes itself once, configured)."""
-    if os.environ.get(_MARK) != "1":
-        env = {**os.environ, **_PROCESS_ENV, _MARK: "1"}
-        return subprocess.call([sys.executable, "-m", "portable_nn", *sys.argv[1:]], env=env)
-    ops = args.ops.split(",") if args.ops else None
-    report = run_suite(ops, quick=args.quick, cold=not getattr(args, "no_cold", False))
+    """Entry point of ``python -m portable_nn bench``."""
+    from .report import format_report, plot_report, report_json
+
+    s = settings_from_args(args)
+    if s.mode != "user" and s.workloads:
+        env = _in_process_environment(s)
+        if env is not None and os.environ.get(_MARK) != "1":
+            return subprocess.call([sys.executable, "-m", "portable_nn", *sys.argv[1:]], env={**env, _MARK: "1"})
+        report = run_suite(settings=s)
+    else:
+        report = run_user_suite(s)
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"environment": report.environment, "copy_gbps": report.copy_gbps,
-                       "rows": [r.__dict__ for r in report.rows], "first_call": report.first_call}, fh, indent=2)
+            json.dump(report_json(report), fh, indent=2)
     if args.plot:
         try:
-            _plot(report, args.plot)
+            plot_report(report, args.plot)
         except ImportError:
             print(f"--plot {args.plot}: needs matplotlib (pip install 'portable_nn[docs]' or matplotlib)",
                   file=sys.stderr)

@@ -8,7 +8,13 @@ memory-bound workloads — the numerator of the GB/s column — and empty for
 compute-bound ones.
 
 Models (LeNet-5, the MLP) chain ``pnn.vjp`` pullbacks by hand, as a user
-without an autograd library would; their "gradient" is the fwd+bwd phase.
+without an autograd library would; their "gradient" is the fwd+bwd phase.  So do
+the resnet18 layers (conv3x3 + BatchNorm2d in training + ReLU at each of resnet18's
+shapes, batch 8, two of them also channels-last), whose fwd+bwd gives every
+gradient, the input's included.
+
+A workload's ``name`` carries its standard shapes and identifies it (``--ops``, the
+JSON, the docs); ``label(quick)`` is the name with the shapes a run actually uses.
 
 A :class:`Placement` says where the data lives: NumPy arrays and CPU tensors for
 ``bench``, CuPy arrays and CUDA tensors (any floating dtype) for ``gpu-check``.
@@ -83,14 +89,30 @@ CPU = Placement()
 
 @dataclass
 class Workload:
-    name: str
+    name: str  # with the standard shapes: the workload's identity (``--ops``, JSON, docs)
     ops: tuple[str, ...]
     build: Callable[..., Cases]  # build(quick, place=CPU)
+    quick_name: str | None = None  # with the quick shapes, where they differ
 
     @property
     def op(self) -> str:
         """The op a single-op workload measures (its first-call latency is reported per op)."""
         return self.ops[0]
+
+    def label(self, quick: bool) -> str:
+        """The name with the shapes a run actually uses (the quick ones for a quick run)."""
+        return (self.quick_name or self.name) if quick else self.name
+
+    def matches(self, selectors: Sequence[str] | None) -> bool:
+        """Whether ``--ops`` selects this workload: one of its ops, or a substring of its name."""
+        if not selectors:
+            return True
+        return any(s in self.ops or s in self.name or s in self.label(True) for s in selectors)
+
+
+def _shape(shape: Sequence[int]) -> str:
+    """A shape as workload names write it: ``(4096,1024)``."""
+    return "(" + ",".join(str(d) for d in shape) + ")"
 
 
 def _rng() -> np.random.Generator:
@@ -177,6 +199,8 @@ def _tensors(place: Placement, *arrays: np.ndarray, grad: bool = True) -> list[A
 
 def _norm_workload(name: str, op: str, shape: tuple[int, ...], quick_shape: tuple[int, ...],
                    channels_of: Callable[[tuple[int, ...]], int], extra: tuple = ()) -> Workload:
+    """One norm op vs its ``torch.nn.functional`` twin; ``{shape}`` in ``name`` becomes the shape run."""
+
     def build(quick: bool, place: Placement = CPU) -> Cases:
         s = quick_shape if quick else shape
         rng = _rng()
@@ -205,7 +229,7 @@ def _norm_workload(name: str, op: str, shape: tuple[int, ...], quick_shape: tupl
         return Cases(lambda be: _op_phases(be, fn, args, {}, dyp), torch_cases,
                      {"fwd": 2 * n, "bwd": 3 * n, "fwd+bwd": 5 * n})
 
-    return Workload(name, (op,), build)
+    return Workload(name.format(shape=_shape(shape)), (op,), build, name.format(shape=_shape(quick_shape)))
 
 
 def _moments_workload(name: str, shape: tuple[int, ...], quick_shape: tuple[int, ...],
@@ -231,7 +255,7 @@ def _moments_workload(name: str, shape: tuple[int, ...], quick_shape: tuple[int,
         return Cases(lambda be: _op_phases(be, pnn.moments, (place.array(x), axes), {}, cotangent), torch_cases,
                      {"fwd": n, "bwd": 2 * n, "fwd+bwd": 3 * n})
 
-    return Workload(name, ("moments",), build)
+    return Workload(name.format(shape=_shape(shape)), ("moments",), build, name.format(shape=_shape(quick_shape)))
 
 
 # --------------------------------------------------------------------------- recurrent
@@ -277,7 +301,7 @@ def _sequence_workload(op: str) -> Workload:
 
         return Cases(portable, torch_cases, {})
 
-    return Workload(f"{op} 2 layers I=H=64 N=256 T=50", (op,), build)
+    return Workload(f"{op} 2 layers I=H=64 N=256 T=50", (op,), build, f"{op} 2 layers I=H=64 N=32 T=10")
 
 
 def _cell_workload(op: str) -> Workload:
@@ -309,20 +333,21 @@ def _cell_workload(op: str) -> Workload:
 
         return Cases(lambda be: _op_phases(be, getattr(pnn, op), placed, {}, cot), torch_cases, {})
 
-    return Workload(f"{op} N=256 I=H=64", (op,), build)
+    return Workload(f"{op} N=256 I=H=64", (op,), build, f"{op} N=32 I=H=64")
 
 
 # --------------------------------------------------------------------------- conv, pooling, losses
 
 
-def _conv_workload(name: str, x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> Workload:
-    """conv + bias + relu (one fused call) vs ``F.relu(F.conv2d(...))``."""
+def _conv_workload(x_shape: tuple[int, ...], w_shape: tuple[int, ...], padding: int = 0,
+                   quick_batch: int = 16) -> Workload:
+    """conv + bias + relu (one fused call) vs ``F.relu(F.conv2d(...))``, stride 1, zero ``padding``."""
 
     def build(quick: bool, place: Placement = CPU) -> Cases:
-        xs = (16, *x_shape[1:]) if quick else x_shape
+        xs = (quick_batch, *x_shape[1:]) if quick else x_shape
         rng = _rng()
         x, w, b = _randn(rng, *xs), _randn(rng, *w_shape, scale=0.2), _randn(rng, w_shape[0], scale=0.1)
-        out_hw = [s - k + 1 for s, k in zip(xs[2:], w_shape[2:])]
+        out_hw = [s + 2 * padding - k + 1 for s, k in zip(xs[2:], w_shape[2:])]
         dy = _randn(rng, xs[0], w_shape[0], *out_hw)
         args, dyp = tuple(place.array(a) for a in (x, w, b)), place.array(dy)
 
@@ -330,12 +355,103 @@ def _conv_workload(name: str, x_shape: tuple[int, ...], w_shape: tuple[int, ...]
             import torch.nn.functional as F
 
             xt, wt, bt = _tensors(place, x, w, b)
-            return _torch_phases(lambda: F.relu(F.conv2d(xt, wt, bt)), (xt, wt, bt), place.tensor(dy))
+            return _torch_phases(lambda: F.relu(F.conv2d(xt, wt, bt, padding=padding)), (xt, wt, bt),
+                                 place.tensor(dy))
 
-        portable = lambda be: _op_phases(be, pnn.conv, args, {"activation": "relu"}, dyp)  # noqa: E731
+        kwargs = {"activation": "relu", "padding": padding}
+        portable = lambda be: _op_phases(be, pnn.conv, args, kwargs, dyp)  # noqa: E731
         return Cases(portable, torch_cases, {})
 
-    return Workload(name, ("conv",), build)
+    k = "x".join(str(d) for d in w_shape[2:])
+
+    def name(batch: int) -> str:
+        return f"conv{k}+bias+relu {_shape((batch, *x_shape[1:]))}->{w_shape[0]}"
+
+    return Workload(name(x_shape[0]), ("conv",), build, name(quick_batch))
+
+
+def _chain(layers: Sequence[Layer], x: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """Run ``layers`` under ``pnn.vjp``; returns the output and a pullback giving every layer's gradients.
+
+    The pullback takes the output's cotangent and returns the list of gradient named tuples,
+    last layer first (each one's first field, the input's gradient, seeds the layer before).
+    """
+    h, tape = x, []
+    for fn, params, kwargs, wrt in layers:
+        h, pullback = pnn.vjp(fn, h, *params, wrt=wrt, **kwargs)
+        tape.append(pullback)
+
+    def pullback(dy: Any) -> list[Any]:
+        g, grads = dy, []
+        for pb in reversed(tape):
+            result = pb(g)
+            grads.append(result)
+            g = result[0]
+        return grads
+
+    return h, pullback
+
+
+def _resnet_layer_workload(cin: int, cout: int, stride: int, hw: int, batch: int = 8,
+                           channels_last: bool = False) -> Workload:
+    """A resnet18 layer: conv3x3 (padding 1, no bias) + BatchNorm2d (training) + ReLU, gradient w.r.t. everything.
+
+    portable_nn: ``pnn.conv`` then ``pnn.batch_norm(..., activation="relu")``, the pullbacks
+    chained with ``pnn.vjp``; PyTorch: ``F.conv2d`` + ``F.batch_norm(training=True)`` + ``F.relu``.
+    ``channels_last``: NHWC arrays with ``channel_axis=-1`` for portable_nn, tensors in
+    ``torch.channels_last`` memory format for PyTorch (weights too, as ``model.to(memory_format=…)`` does).
+    """
+
+    def build(quick: bool, place: Placement = CPU) -> Cases:
+        n, size = (1, hw // 2) if quick else (batch, hw)
+        rng = _rng()
+        x = _randn(rng, n, cin, size, size)
+        w = _randn(rng, cout, cin, 3, 3, scale=(9 * cin) ** -0.5)
+        gamma, beta = np.ones(cout, np.float32), np.zeros(cout, np.float32)
+        out = (size - 1) // stride + 1
+        dy = _randn(rng, n, cout, out, out)
+        to_nhwc = (lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1))) if channels_last else (lambda a: a)
+        axis = -1 if channels_last else 1
+        layers: list[Layer] = [
+            (pnn.conv, (place.array(w),), {"stride": stride, "padding": 1, "channel_axis": axis}, ("x", "weight")),
+            (pnn.batch_norm, (place.array(gamma), place.array(beta)), {"activation": "relu", "channel_axis": axis},
+             ("x", "weight", "bias")),
+        ]
+        xp, dyp = place.array(to_nhwc(x)), place.array(to_nhwc(dy))
+
+        def portable(backend: str) -> Phases:
+            def vjp() -> tuple[Any, Callable[[], Any]]:
+                y, pullback = _chain(layers, xp)
+                return y, lambda: pullback(dyp)
+
+            return _portable_phases(backend, lambda: _model_forward(layers, xp), lambda: vjp()[1](), vjp)
+
+        def torch_cases() -> Phases:
+            import torch
+            import torch.nn.functional as F
+
+            fmt = torch.channels_last if channels_last else torch.contiguous_format
+
+            def tensor(a: np.ndarray, grad: bool = True) -> Any:
+                t = place.tensor(a).contiguous(memory_format=fmt) if a.ndim == 4 else place.tensor(a)
+                return t.requires_grad_(grad)
+
+            xt, wt, gt, bt = (tensor(a) for a in (x, w, gamma, beta))
+
+            def forward() -> Any:
+                h = F.conv2d(xt, wt, stride=stride, padding=1)
+                return F.relu(F.batch_norm(h, None, None, gt, bt, training=True))
+
+            return _torch_phases(forward, (xt, wt, gt, bt), tensor(dy, grad=False))
+
+        return Cases(portable, torch_cases, {})
+
+    def name(n: int, size: int) -> str:
+        if channels_last:
+            return f"resnet conv3x3+bn+relu {cin}->{cout} s{stride} NHWC {_shape((n, size, size, cin))}"
+        return f"resnet conv3x3+bn+relu {cin}->{cout} s{stride} {_shape((n, cin, size, size))}"
+
+    return Workload(name(batch, hw), ("conv", "batch_norm"), build, name(1, hw // 2))
 
 
 def _pool_workload(op: str) -> Workload:
@@ -358,7 +474,7 @@ def _pool_workload(op: str) -> Workload:
         return Cases(lambda be: _op_phases(be, fn, (xp, 2), {}, dyp), torch_cases,
                      {"fwd": n + m, "bwd": m + n, "fwd+bwd": 2 * (n + m)})
 
-    return Workload(f"{op} 2x2 (128,6,24,24)", (op,), build)
+    return Workload(f"{op} 2x2 (128,6,24,24)", (op,), build, f"{op} 2x2 (16,6,24,24)")
 
 
 def _loss_workload(op: str) -> Workload:
@@ -389,7 +505,7 @@ def _loss_workload(op: str) -> Workload:
                                          op == "cross_entropy" else None)
         return Cases(portable, torch_cases, moved)
 
-    return Workload(f"{op} (4096,1000)", (op,), build)
+    return Workload(f"{op} (4096,1000)", (op,), build, f"{op} (256,1000)")
 
 
 # --------------------------------------------------------------------------- models
@@ -442,7 +558,8 @@ def _place_layers(layers: Sequence[Layer | str], place: Placement) -> list[Layer
     ]
 
 
-def _model_workload(name: str, ops: tuple[str, ...], make: Callable[[bool], tuple[Any, list, Callable]]) -> Workload:
+def _model_workload(name: str, ops: tuple[str, ...], make: Callable[[bool], tuple[Any, list, Callable]],
+                    quick_name: str | None = None) -> Workload:
     """A model's forward and parameter gradient; ``make(quick)`` gives (x, layers, torch forward maker)."""
 
     def build(quick: bool, place: Placement = CPU) -> Cases:
@@ -460,7 +577,7 @@ def _model_workload(name: str, ops: tuple[str, ...], make: Callable[[bool], tupl
 
         return Cases(portable, torch_cases, {})
 
-    return Workload(name, ops, build)
+    return Workload(name, ops, build, quick_name)
 
 
 def _dense_layers(rng: np.random.Generator, sizes: Sequence[int], first_wrt_x: bool) -> list[Layer]:
@@ -517,26 +634,36 @@ def _lenet(quick: bool) -> tuple[Any, list, Callable]:
     return x, layers, torch_forward
 
 
+#: The resnet18 layer shapes: (in channels, out channels, stride, input height = width), batch 8.
+RESNET_LAYERS = [(64, 64, 1, 56), (64, 128, 2, 56), (128, 128, 1, 28), (128, 256, 2, 28), (256, 256, 1, 14),
+                 (256, 512, 2, 14), (512, 512, 1, 7)]
+
 WORKLOADS = [
-    _norm_workload("layer_norm (4096,1024)", "layer_norm", (4096, 1024), (256, 1024), lambda s: s[-1]),
-    _norm_workload("rms_norm (4096,1024)", "rms_norm", (4096, 1024), (256, 1024), lambda s: s[-1]),
-    _norm_workload("batch_norm train (128,64,32,32)", "batch_norm", (128, 64, 32, 32), (8, 64, 16, 16),
+    _norm_workload("layer_norm {shape}", "layer_norm", (4096, 1024), (256, 1024), lambda s: s[-1]),
+    # 128 MiB: far past every cache, the roofline figure (fwd moves 2|x|, bwd 3|x|)
+    _norm_workload("layer_norm {shape}", "layer_norm", (16384, 2048), (256, 2048), lambda s: s[-1]),
+    _norm_workload("rms_norm {shape}", "rms_norm", (4096, 1024), (256, 1024), lambda s: s[-1]),
+    _norm_workload("batch_norm train {shape}", "batch_norm", (128, 64, 32, 32), (8, 64, 16, 16),
                    lambda s: s[1]),
-    _norm_workload("group_norm 32 groups (128,64,32,32)", "group_norm", (128, 64, 32, 32), (8, 64, 16, 16),
+    _norm_workload("group_norm 32 groups {shape}", "group_norm", (128, 64, 32, 32), (8, 64, 16, 16),
                    lambda s: s[1], extra=(32,)),
-    _norm_workload("instance_norm (128,64,32,32)", "instance_norm", (128, 64, 32, 32), (8, 64, 16, 16),
+    _norm_workload("instance_norm {shape}", "instance_norm", (128, 64, 32, 32), (8, 64, 16, 16),
                    lambda s: s[1]),
-    _moments_workload("moments over (0,2,3) (128,64,32,32)", (128, 64, 32, 32), (8, 64, 16, 16), (0, 2, 3)),
+    _moments_workload("moments over (0,2,3) {shape}", (128, 64, 32, 32), (8, 64, 16, 16), (0, 2, 3)),
     _cell_workload("lstm_cell"),
     _cell_workload("gru_cell"),
     _sequence_workload("lstm"),
     _sequence_workload("gru"),
-    _conv_workload("conv5x5+bias+relu (128,1,28,28)->6", (128, 1, 28, 28), (6, 1, 5, 5)),
-    _conv_workload("conv5x5+bias+relu (128,6,12,12)->16", (128, 6, 12, 12), (16, 6, 5, 5)),
+    _conv_workload((128, 1, 28, 28), (6, 1, 5, 5)),
+    _conv_workload((128, 6, 12, 12), (16, 6, 5, 5)),
+    _conv_workload((32, 64, 28, 28), (64, 64, 3, 3), padding=1, quick_batch=2),
+    *(_resnet_layer_workload(*layer) for layer in RESNET_LAYERS),
+    _resnet_layer_workload(64, 64, 1, 56, channels_last=True),
+    _resnet_layer_workload(128, 256, 2, 28, channels_last=True),
     _pool_workload("max_pool"),
     _pool_workload("avg_pool"),
     _loss_workload("log_softmax"),
     _loss_workload("cross_entropy"),
     _model_workload("MLP 784-32-10 gradient, batch 128", ("dense",), _mlp),
-    _model_workload("LeNet-5 gradient, batch 128", ("conv", "max_pool", "dense"), _lenet),
+    _model_workload("LeNet-5 gradient, batch 128", ("conv", "max_pool", "dense"), _lenet, "LeNet-5 gradient, batch 16"),
 ]
