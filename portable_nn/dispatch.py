@@ -77,8 +77,8 @@ OPS = (
 )
 
 #: Modules that declare the built-in kernels.  Importing them must stay cheap:
-#: they register lazy references, and numba/cupy load only when a kernel runs.
-_PROVIDERS = ("portable_nn.reference", "kernels_cpu", "kernels_gpu")
+#: they register lazy references, and numba/cupy/torch load only when a kernel runs.
+_PROVIDERS = ("portable_nn.reference", "kernels_cpu", "kernels_gpu", "kernels_aten")
 
 
 # --------------------------------------------------------------------------- calls
@@ -696,6 +696,13 @@ def _probe(name: str) -> BackendStatus:
         if count == 0:
             return BackendStatus(name, False, "cupy finds no GPU")
         return BackendStatus(name, True, f"cupy sees {count} GPU(s)")
+    if name == "aten":
+        # find_spec, not import: probing (available_backends, info) must not load torch.
+        if importlib.util.find_spec("torch") is None:
+            return BackendStatus(name, False, "the torch package is not installed")
+        if "kernels_aten" in _provider_errors:
+            return BackendStatus(name, False, f"kernels_aten failed to load: {_provider_errors['kernels_aten']}")
+        return BackendStatus(name, True, "torch installed; PyTorch's own kernels, for torch tensors only")
     if name in _extra_backends:
         return BackendStatus(name, True, _extra_backends[name])
     return BackendStatus(name, False, "unknown backend")
@@ -727,11 +734,12 @@ def available_backends() -> dict[str, BackendStatus]:
 
     ``pnn.available_backends()["numba"].reason`` says why a backend is missing:
     package not installed, no GPU driver, no device.  Each backend is probed
-    once (importing its package, asking for a GPU) and the answer cached.
+    once (looking its package up, asking for a GPU) and the answer cached;
+    probing ``numba`` and ``aten`` imports neither numba nor torch.
 
     Returns:
         A dict from backend name (``"reference"``, ``"numba"``,
-        ``"numba_cuda"``, ``"cupy"``, then names added with
+        ``"numba_cuda"``, ``"cupy"``, ``"aten"``, then names added with
         :func:`register_kernel`) to its :class:`BackendStatus`, truthy when
         available.
     """
