@@ -519,6 +519,33 @@ def test_autograd_adapter_runs_aten_inside_its_custom_ops():
     assert rel_err(xc.grad, leaves[0].grad) <= 1e-13 and rel_err(wc.grad, leaves[1].grad) <= 1e-13
 
 
+def test_repeated_calls_are_bitwise_identical():
+    """Float32 on 2 threads, where oneDNN runs: PyTorch's CPU kernels reduce in a fixed order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x, w, b, kwargs = _conv_problem(CONV_GEOMS["2d-pad1"], "last", True, bias=True)
+        p = _seq_problem("lstm", layers=2, bidirectional=True, n=8, hs=16)
+        cases = [
+            (pnn.conv, tuple(_t(a, torch.float32) for a in (x, w, b)), {**kwargs, "activation": "relu"}),
+            (pnn.lstm, (p["x"].float(), [tuple(t.float() for t in row) for row in p["params"]]),
+             {"bidirectional": True}),
+        ]
+        for fn, args, kwargs in cases:
+            runs = []
+            for _ in range(3):
+                with pnn.use_backend("aten"):
+                    y, pullback = pnn.vjp(fn, *args, **kwargs)
+                    ys = _leaves(y)
+                    grads = pullback(ys[0].new_ones(ys[0].shape) if len(ys) == 1
+                                     else (torch.ones_like(ys[0]), (torch.ones_like(ys[1]), None)))
+                runs.append([t for t in _leaves((y, tuple(grads))) if t is not None])
+            for run in runs[1:]:
+                assert all(torch.equal(a, b) for a, b in zip(runs[0], run, strict=True))
+    finally:
+        torch.set_num_threads(threads)
+
+
 # --------------------------------------------------------------------------- half precision
 
 
