@@ -186,7 +186,7 @@ def vjp(op: Any, *args: Any, wrt: str | Iterable[str] | None = None, **kwargs: A
     spec = spec_of(op)
     prepared = spec.prepare(*args, **kwargs)
     needs = _needs(prepared, wrt, spec.name)
-    executed = dispatch.run(prepared.call, need_backward=True)
+    executed = dispatch.run(prepared.call, need_backward=True, needs=needs)
     result = prepared.finish(executed.outputs)
     diff_outputs = executed.outputs[: prepared.n_diff_outputs]
     cls = grads_type(spec.name, prepared.grad_fields)

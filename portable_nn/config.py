@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 ENV_VAR = "PORTABLE_NN_BACKEND"
-BUILTIN_BACKENDS = ("reference", "numba", "numba_cuda", "cupy")
+BUILTIN_BACKENDS = ("reference", "numba", "numba_cuda", "cupy", "aten")
 FALLBACK_MODES = ("allow", "warn", "error")
 
 
@@ -105,8 +105,8 @@ def set_backend(name: str | None = None, /, **per_op: str) -> None:
     :func:`portable_nn.explain`).
 
     Args:
-        name: ``"auto"``, ``"reference"``, ``"numba"``, ``"numba_cuda"``, ``"cupy"``
-            or a backend added with :func:`portable_nn.register_kernel`. ``None``
+        name: ``"auto"``, ``"reference"``, ``"numba"``, ``"numba_cuda"``, ``"cupy"``,
+            ``"aten"`` or a backend added with :func:`portable_nn.register_kernel`. ``None``
             leaves the default unchanged when per-op entries are given, and
             otherwise clears every global setting (the environment variable
             then applies again).  Positional-only.
@@ -147,7 +147,7 @@ def use_backend(name: str | None = None, /, **per_op: str) -> Iterator[None]:
 
     Args:
         name: the default backend inside the block (``"auto"``, ``"reference"``,
-            ``"numba"``, ``"numba_cuda"``, ``"cupy"`` or a registered name), or
+            ``"numba"``, ``"numba_cuda"``, ``"cupy"``, ``"aten"`` or a registered name), or
             ``None`` to leave the enclosing default in force.  Positional-only.
         **per_op: ``op=backend`` overrides for single ops, e.g.
             ``use_backend(conv="numba")``.

@@ -77,8 +77,8 @@ OPS = (
 )
 
 #: Modules that declare the built-in kernels.  Importing them must stay cheap:
-#: they register lazy references, and numba/cupy load only when a kernel runs.
-_PROVIDERS = ("portable_nn.reference", "kernels_cpu", "kernels_gpu")
+#: they register lazy references, and numba/cupy/torch load only when a kernel runs.
+_PROVIDERS = ("portable_nn.reference", "kernels_cpu", "kernels_gpu", "kernels_aten")
 
 
 # --------------------------------------------------------------------------- calls
@@ -105,12 +105,17 @@ class Call:
         arrays: the array arguments by name (``None`` where not given).
         params: every other (normalised) argument by name.
         save: whether the forward must return residuals for a backward pass.
+        needs: when ``save`` is true, the gradient names the backward may be asked
+            for (``vjp``'s ``wrt``, e.g. ``frozenset({"weight", "bias"})``), or
+            ``None`` when not known (then any gradient of a given argument may be
+            asked for).  A forward may use it to keep less, e.g. record autograd
+            history only for these arguments.
 
     Arguments are also readable as attributes: ``call.x``, ``call.eps``
     (arrays first, then params; ``AttributeError`` for other names).
     """
 
-    __slots__ = ("arrays", "device", "dtype", "family", "layout", "op", "params", "save", "xp")
+    __slots__ = ("arrays", "device", "dtype", "family", "layout", "needs", "op", "params", "save", "xp")
 
     def __init__(
         self,
@@ -124,6 +129,7 @@ class Call:
         dtype: str,
         layout: str | None = None,
         save: bool = False,
+        needs: frozenset[str] | None = None,
     ) -> None:
         self.op = op
         self.xp = xp
@@ -134,6 +140,7 @@ class Call:
         self.arrays = dict(arrays)
         self.params = dict(params or {})
         self.save = save
+        self.needs = needs
 
     def __getattr__(self, name: str) -> Any:
         # __slots__ attributes never reach here; only argument names do.
@@ -147,7 +154,8 @@ class Call:
 
         Args:
             **changes: new values by attribute name (``arrays=``, ``params=``,
-                ``xp=``, ``family=``, ``device=``, ``dtype=``, ``layout=``, ``save=``).
+                ``xp=``, ``family=``, ``device=``, ``dtype=``, ``layout=``, ``save=``,
+                ``needs=``).
 
         Returns:
             A new :class:`Call` for the same op; this one is unchanged.
@@ -447,7 +455,9 @@ def register_kernel(
         ``call.family`` (``"numpy"``, ``"torch"``, ``"cupy"`` …), ``call.device``
         (``"cpu"``, ``"cuda:0"`` …), ``call.dtype`` (the main input's dtype name),
         ``call.layout`` (``"channels_first"``, ``"channels_last"``,
-        ``"channels_other"`` or ``None``) and ``call.save``.  ``call.arrays``
+        ``"channels_other"`` or ``None``), ``call.save`` and ``call.needs`` (with
+        ``save``, the gradient names the backward may be asked for, or ``None``
+        when not known).  ``call.arrays``
         maps the array arguments by name and ``call.params`` the normalised
         other ones; both read as attributes (``call.x``, ``call.eps``).  Axes are
         non-negative ints, activations :class:`Activation` objects (use
@@ -686,6 +696,13 @@ def _probe(name: str) -> BackendStatus:
         if count == 0:
             return BackendStatus(name, False, "cupy finds no GPU")
         return BackendStatus(name, True, f"cupy sees {count} GPU(s)")
+    if name == "aten":
+        # find_spec, not import: probing (available_backends, info) must not load torch.
+        if importlib.util.find_spec("torch") is None:
+            return BackendStatus(name, False, "the torch package is not installed")
+        if "kernels_aten" in _provider_errors:
+            return BackendStatus(name, False, f"kernels_aten failed to load: {_provider_errors['kernels_aten']}")
+        return BackendStatus(name, True, "torch installed; PyTorch's own kernels, for torch tensors only")
     if name in _extra_backends:
         return BackendStatus(name, True, _extra_backends[name])
     return BackendStatus(name, False, "unknown backend")
@@ -717,11 +734,12 @@ def available_backends() -> dict[str, BackendStatus]:
 
     ``pnn.available_backends()["numba"].reason`` says why a backend is missing:
     package not installed, no GPU driver, no device.  Each backend is probed
-    once (importing its package, asking for a GPU) and the answer cached.
+    once (looking its package up, asking for a GPU) and the answer cached;
+    probing ``numba`` and ``aten`` imports neither numba nor torch.
 
     Returns:
         A dict from backend name (``"reference"``, ``"numba"``,
-        ``"numba_cuda"``, ``"cupy"``, then names added with
+        ``"numba_cuda"``, ``"cupy"``, ``"aten"``, then names added with
         :func:`register_kernel`) to its :class:`BackendStatus`, truthy when
         available.
     """
@@ -909,15 +927,19 @@ class Bridge:
         return stack
 
 
-def _bridge_call(call: Call, selection: Selection, bridge: Bridge, save: bool) -> Call:
-    """The call as the implementation gets it: copies made, arrays bridged, ``save`` set."""
+def _bridge_call(
+    call: Call, selection: Selection, bridge: Bridge, save: bool, needs: frozenset[str] | None
+) -> Call:
+    """The call as the implementation gets it: copies made, arrays bridged, ``save`` and ``needs`` set."""
     arrays = dict(call.arrays)
     for name in selection.copies:
         arrays[name] = _arrays.ascontiguous(arrays[name])
+    needs = needs if save else None
     if bridge.active:
         arrays = {k: bridge.inward(v) for k, v in arrays.items()}
-        return call.replace(arrays=arrays, xp=bridge.native_namespace(), family=bridge.native, save=save)
-    return call.replace(arrays=arrays, save=save)
+        return call.replace(arrays=arrays, xp=bridge.native_namespace(), family=bridge.native, save=save,
+                            needs=needs)
+    return call.replace(arrays=arrays, save=save, needs=needs)
 
 
 class _NoGrad:
@@ -960,12 +982,19 @@ class Executed:
         return {k: self.bridge.outward(v) for k, v in grads.items()}
 
 
-def run(call: Call, need_backward: bool = False) -> Executed:
-    """Select an implementation for ``call`` and run its forward."""
+def run(call: Call, need_backward: bool = False, needs: frozenset[str] | None = None) -> Executed:
+    """Select an implementation for ``call`` and run its forward.
+
+    Args:
+        call: the validated call.
+        need_backward: whether a backward will follow (the forward keeps residuals).
+        needs: the gradient names that backward may be asked for, when known
+            (``Call.needs``); ``None``: any.
+    """
     selection = select(call, need_backward)
     impl = selection.impl
     bridge = Bridge(call.family, impl.supports.native, call.device, call.dtype)
-    inner = _bridge_call(call, selection, bridge, need_backward)
+    inner = _bridge_call(call, selection, bridge, need_backward, needs)
     with _NoGrad(call.family), bridge.context(), impl.runtime_scope():
         outputs, residuals = impl.forward_fn()(inner)
     return Executed(bridge.outward(tuple(outputs)), residuals, impl, bridge, call.family)

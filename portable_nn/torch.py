@@ -10,9 +10,10 @@
 
 The functions are ``torch.library`` custom ops (``torch.ops.portable_nn.*``)
 with fake implementations and autograd formulas, so ``torch.compile`` keeps
-them in its graphs; forward and backward run our fused kernels (CPU tensors
-reach the Numba kernels without a copy, CUDA tensors the GPU kernels), and a
-gradient no input needs is never computed.  The modules subclass their
+them in its graphs; forward and backward run through dispatch (CPU tensors
+reach the Numba kernels without a copy, CUDA tensors the GPU kernels; conv,
+dense, lstm and rnn run PyTorch's own kernels, the ``aten`` backend, which
+measured faster there), and a gradient no input needs is never computed.  The modules subclass their
 ``torch.nn`` counterparts: same constructor arguments, parameters, buffers,
 initialisation, state_dict keys and train/eval behaviour, plus the
 keyword-only options our kernels add (``activation=``, ``channel_axis=``,

@@ -12,6 +12,7 @@ the same examples every time; ``PNN_HYPOTHESIS_EXAMPLES`` raises the count for a
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from typing import Any
@@ -31,10 +32,39 @@ SETTINGS = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, data
 TOL = 1e-12
 
 
+def _takes_numpy(impl: dispatch.Implementation) -> bool:
+    return impl.supports.families is None or "numpy" in impl.supports.families
+
+
+def _takes_cpu_torch(impl: dispatch.Implementation) -> bool:
+    s = impl.supports
+    return (importlib.util.find_spec("torch") is not None and (s.families is None or "torch" in s.families)
+            and (s.devices is None or "cpu" in s.devices))
+
+
 def kernel_backends(op: str) -> list[str]:
-    """Available non-reference backends that register ``op``."""
+    """Available non-reference backends that register ``op`` for NumPy arrays or CPU torch tensors
+    (a torch-only backend, ``aten``, gets the problems as zero-copy tensors)."""
     return [i.backend for i in dispatch.implementations(op) if i.backend != "reference"
-            and dispatch.backend_status(i.backend)]
+            and dispatch.backend_status(i.backend) and (_takes_numpy(i) or _takes_cpu_torch(i))]
+
+
+#: Arguments a backend declares it cannot take (its Support declines them; forced, it must raise
+#: saying so): the drawn problems include them, and are then checked to raise.
+DECLINED = {"aten": ("reset_after=False",)}
+
+
+def _as_tensors(value: Any) -> Any:
+    """NumPy floating arrays (nested in tuples/lists too) as torch tensors sharing their memory and strides."""
+    import torch
+
+    if isinstance(value, (tuple, list)):
+        return type(value)(_as_tensors(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _as_tensors(v) for k, v in value.items()}
+    if isinstance(value, np.ndarray) and value.dtype.kind == "f":
+        return torch.from_numpy(value)
+    return value
 
 
 def _backend_params(ops: tuple[str, ...]) -> list[Any]:
@@ -82,12 +112,22 @@ def check_against_reference(op: str, backend: str, args: tuple, kwargs: dict, co
     """Forward and every gradient of ``op`` under ``backend`` equal the reference's to ``tol``."""
     fn = getattr(pnn, op)
     before = [a.copy() for a in _leaves(args) if isinstance(a, np.ndarray)]
+    impl = next(i for i in dispatch.implementations(op) if i.backend == backend)
+    # the backend's own arrays: a torch-only backend gets the very same memory as tensors
+    b_args, b_kwargs, b_cot = (args, kwargs, cotangent)
+    if not _takes_numpy(impl):
+        b_args, b_kwargs, b_cot = _as_tensors((args, kwargs, cotangent))
     with pnn.use_backend(backend):
-        assert pnn.explain(fn, *args, **kwargs).backend == backend
-        y, pullback = pnn.vjp(fn, *args, **kwargs)
-        grads = pullback(cotangent)
-        y2, pullback2 = pnn.vjp(fn, *args, **kwargs)
-        grads2 = pullback2(cotangent)
+        report = pnn.explain(fn, *b_args, **b_kwargs)
+        if report.error is not None and any(why in report.error for why in DECLINED.get(backend, ())):
+            with pytest.raises(pnn.BackendUnavailableError, match="cannot run this call"):
+                fn(*b_args, **b_kwargs)
+            return
+        assert report.backend == backend, str(report)
+        y, pullback = pnn.vjp(fn, *b_args, **b_kwargs)
+        grads = pullback(b_cot)
+        y2, pullback2 = pnn.vjp(fn, *b_args, **b_kwargs)
+        grads2 = pullback2(b_cot)
     with pnn.use_backend("reference"):
         y_ref, pullback_ref = pnn.vjp(fn, *args, **kwargs)
         grads_ref = pullback_ref(cotangent)

@@ -512,9 +512,17 @@ SEQ_ORIGINAL_GRID = grid({"layers": [1, 2], "bidirectional": [False, True], "pac
 def test_gru_sequence_original_forward(case: Case, cfg: dict) -> None:
     cfg = {**cfg, "steps": 4, "batch": 3, "hidden": 3, "states": True}
     a = _seq_call("gru", case, cfg)
+    kwargs = dict(reset_after=False, batch_first=cfg["batch_first"], bidirectional=cfg["bidirectional"],
+                  lengths=a["lengths"])
     with case.use():
-        y, hn = gru(a["x"], a["params"], a["h0"], reset_after=False, batch_first=cfg["batch_first"],
-                    bidirectional=cfg["bidirectional"], lengths=a["lengths"])
+        declined = pnn.explain(gru, a["x"], a["params"], a["h0"], **kwargs).error
+    if declined is not None:  # a backend without this form (aten: PyTorch's GRU) must say so, not compute
+        assert "reset_after=False" in declined
+        with case.use(), pytest.raises(pnn.BackendUnavailableError, match="reset_after=False"):
+            gru(a["x"], a["params"], a["h0"], **kwargs)
+        return
+    with case.use():
+        y, hn = gru(a["x"], a["params"], a["h0"], **kwargs)
     x = to_numpy(a["x"])
     if cfg["batch_first"]:
         x = np.swapaxes(x, 0, 1)

@@ -393,7 +393,7 @@ class _Plan:
         arrays = jax.tree_util.tree_unflatten(self.treedef, inputs)
         with config.use_backend(**{self.sig.op: self.route.backend}):
             prepared = self._prepare(arrays)  # values (targets, traced lengths) are checked here
-            executed = dispatch.run(prepared.call, need_backward=needs is not None)
+            executed = dispatch.run(prepared.call, need_backward=needs is not None, needs=needs)
             if needs is None:
                 return _detached(executed.outputs, inputs)
             full = []

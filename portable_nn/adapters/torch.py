@@ -8,7 +8,8 @@ differentiable with ``torch.autograd``.  Each calls a custom op registered in th
 ``portable_nn`` namespace (``torch.ops.portable_nn.layer_norm`` …) with
 
 * a forward that runs our kernels through dispatch (CPU tensors reach the Numba
-  kernels as zero-copy NumPy views, CUDA tensors the GPU kernels),
+  kernels as zero-copy NumPy views, CUDA tensors the GPU kernels; where the
+  ``aten`` backend ranks first — conv, dense, lstm, rnn — PyTorch's own kernel),
 * a fake (meta) implementation giving the output shapes, so ``torch.compile``
   traces the op into its graph instead of breaking the graph,
 * an autograd formula whose backward is a second custom op

@@ -263,9 +263,11 @@ def conv(
         floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
         zero-copy, float32 and float64; channels first or last); GPU kernels (``cupy``:
         CUDA C compiled through CuPy's ``RawModule``; ``numba_cuda``) for CuPy arrays
-        and CUDA torch tensors, where ``pnn.capabilities()`` lists them.
-        ``pnn.explain`` reports which one a call runs and why the others were passed
-        over.
+        and CUDA torch tensors, where ``pnn.capabilities()`` lists them; ``aten`` (torch
+        tensors only, CPU or CUDA: PyTorch's own convolution — oneDNN, cuDNN — then the
+        activation; first under ``auto`` for torch tensors, where it measured faster than
+        ``numba``).  ``pnn.explain`` reports which one a call runs and why the others were
+        passed over.
     """
     return _CONV(
         x, weight, bias, stride=stride, padding=padding, dilation=dilation, groups=groups,

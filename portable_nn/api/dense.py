@@ -99,7 +99,9 @@ def dense(x: Any, weight: Any, bias: Any = None, *, activation: ActivationLike =
         floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
         zero-copy, float32 and float64); GPU kernels (``cupy``: CUDA C compiled through
         CuPy's ``RawModule``; ``numba_cuda``) for CuPy arrays and CUDA torch tensors,
-        where ``pnn.capabilities()`` lists them. ``pnn.explain`` reports which one a
+        where ``pnn.capabilities()`` lists them; ``aten`` (torch tensors only, CPU or CUDA:
+        PyTorch's ``F.linear`` then the activation; first under ``auto`` for torch tensors,
+        where it measured faster than ``numba``). ``pnn.explain`` reports which one a
         call runs and why the others were passed over.
     """
     return _DENSE(x, weight, bias, activation=activation)

@@ -585,8 +585,10 @@ def rnn(
         floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
         zero-copy, float32 and float64); GPU kernels (``cupy``: CUDA C compiled through
         CuPy's ``RawModule``; ``numba_cuda``) for CuPy arrays and CUDA torch tensors,
-        where ``pnn.capabilities()`` lists them. ``pnn.explain`` reports which one a
-        call runs and why the others were passed over.
+        where ``pnn.capabilities()`` lists them; ``aten`` (torch tensors only, CPU or CUDA:
+        PyTorch's fused layer, what ``torch.nn.RNN`` runs; first under ``auto`` for torch
+        tensors, where it measured faster than ``numba``).
+        ``pnn.explain`` reports which one a call runs and why the others were passed over.
     """
     return _RNN(x, params, h0, activation=activation, batch_first=batch_first,
                 bidirectional=bidirectional, lengths=lengths)
@@ -658,8 +660,10 @@ def lstm(
         floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
         zero-copy, float32 and float64); GPU kernels (``cupy``: CUDA C compiled through
         CuPy's ``RawModule``; ``numba_cuda``) for CuPy arrays and CUDA torch tensors,
-        where ``pnn.capabilities()`` lists them. ``pnn.explain`` reports which one a
-        call runs and why the others were passed over.
+        where ``pnn.capabilities()`` lists them; ``aten`` (torch tensors only, CPU or CUDA:
+        PyTorch's fused layer, what ``torch.nn.LSTM`` runs; first under ``auto`` for torch
+        tensors, where it measured faster than ``numba``).
+        ``pnn.explain`` reports which one a call runs and why the others were passed over.
     """
     return _LSTM(x, params, h0, c0, batch_first=batch_first, bidirectional=bidirectional, lengths=lengths)
 
@@ -731,8 +735,10 @@ def gru(
         floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
         zero-copy, float32 and float64); GPU kernels (``cupy``: CUDA C compiled through
         CuPy's ``RawModule``; ``numba_cuda``) for CuPy arrays and CUDA torch tensors,
-        where ``pnn.capabilities()`` lists them. ``pnn.explain`` reports which one a
-        call runs and why the others were passed over.
+        where ``pnn.capabilities()`` lists them; ``aten`` (torch tensors only, CPU or CUDA:
+        PyTorch's fused layer, what ``torch.nn.GRU`` runs; ``reset_after=True`` only; after
+        ``numba`` under ``auto``, which measured as fast).
+        ``pnn.explain`` reports which one a call runs and why the others were passed over.
     """
     return _GRU(x, params, h0, reset_after=reset_after, batch_first=batch_first,
                 bidirectional=bidirectional, lengths=lengths)

@@ -30,7 +30,7 @@ import portable_nn as pnn
 
 from . import data as data_module
 from . import train as training
-from .report import GPU_BACKENDS, Outcome, format_goals, format_header, format_table
+from .report import GPU_BACKENDS, TORCH_ONLY_BACKENDS, Outcome, format_goals, format_header, format_table
 from .train import RunStats, TrainConfig
 
 __all__ = ["DEFAULT_EPOCHS", "GOALS", "add_demo_arguments", "exit_status", "run_demo"]
@@ -148,7 +148,9 @@ def run_demo(args: argparse.Namespace) -> int:
         return 2
     cfg = TrainConfig(epochs=epochs, batch_size=args.batch_size, optimizer=args.optimizer, lr=args.lr,
                       seed=args.seed)
-    others = [] if args.compare == "none" else [b for b, s in status.items() if s and b != backend]
+    others = [] if args.compare == "none" else [
+        b for b, s in status.items() if s and b != backend and b not in TORCH_ONLY_BACKENDS
+    ]
     compare_cfg = cfg if args.compare == "full" else dataclasses.replace(cfg, stop_after=1)
 
     with training.single_threaded_blas() as blas_note:

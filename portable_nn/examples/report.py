@@ -16,10 +16,13 @@ from .models import CNN, RowLSTM
 from .optim import make_optimizer
 from .train import RunStats, TrainConfig
 
-__all__ = ["GPU_BACKENDS", "Outcome", "format_goals", "format_header", "format_table"]
+__all__ = ["GPU_BACKENDS", "TORCH_ONLY_BACKENDS", "Outcome", "format_goals", "format_header", "format_table"]
 
 #: Backends that take CuPy arrays (the CPU ones take NumPy arrays).
 GPU_BACKENDS = ("numba_cuda", "cupy")
+#: Backends that take torch tensors only: the demo trains on NumPy and CuPy arrays, so it does not
+#: compare them (``aten``, PyTorch's own kernels).
+TORCH_ONLY_BACKENDS = ("aten",)
 
 
 @dataclass
@@ -82,6 +85,8 @@ _RIGHT = frozenset(range(3, len(_HEAD)))  # the numeric columns
 
 
 def _arrays(backend: str) -> str:
+    if backend in TORCH_ONLY_BACKENDS:
+        return "torch"
     return "cupy" if backend in GPU_BACKENDS else "numpy"
 
 
@@ -99,7 +104,8 @@ def _cells(o: Outcome, reference: dict[str, float]) -> list[str]:
 def format_table(outcomes: list[Outcome], first: str, status: dict[str, Any], data: Digits, compare: str) -> str:
     """The results: a row per (backend, model) with times, epoch-1 loss and final accuracy.
 
-    Then a line per backend that did not run (unavailable here, or skipped by ``--compare none``).
+    Then a line per backend that did not run (unavailable here, torch tensors only, or skipped by
+    ``--compare none``).
     ``vs ref`` is the reference backend's time per epoch over this backend's (how much faster).
     """
     reference = {o.model: o.stats.seconds_per_epoch for o in outcomes if o.backend == "reference" and o.stats}
@@ -134,7 +140,12 @@ def format_table(outcomes: list[Outcome], first: str, status: dict[str, Any], da
     ran = {o.backend for o in outcomes}
     for name, st in status.items():
         if name not in ran:
-            why = f"unavailable: {st.reason}" if not st else "not run (--compare none)"
+            if not st:
+                why = f"unavailable: {st.reason}"
+            elif name in TORCH_ONLY_BACKENDS:
+                why = "not run: takes torch tensors only, and the demo trains on NumPy/CuPy arrays"
+            else:
+                why = "not run (--compare none)"
             lines.append(f"  {name:<{widths[0]}}  {'' if not st else _arrays(name):<{widths[1]}}  {why}")
     notes = ["* trained first, with progress above"]
     if len(ran) > 1:

@@ -1,0 +1,124 @@
+"""PyTorch's own kernels for torch tensors (backend ``"aten"``), one module per op family.
+
+Where the array library already has a fast kernel for an op, this backend calls it: oneDNN's
+(or cuDNN's) convolution through ``aten::convolution`` and ``aten::convolution_backward``,
+PyTorch's fused recurrent layers (``torch._VF.lstm`` …, what ``nn.LSTM`` runs) and its GEMM
+for the dense layer; fused activations are torch's elementwise ops after the library kernel.
+It takes torch tensors only, on the CPU and on CUDA, and runs at PyTorch's own thread count
+(``torch.set_num_threads``; ``pnn.set_num_threads`` bounds portable_nn's numba kernels).  It is
+unrelated to ``portable_nn.torch``, the autograd adapter that makes every backend's ops
+differentiable by ``loss.backward()``.
+
+Importing this package only *declares* the kernels: it must not import torch (dispatch
+imports it to list the backends, and ``python -m portable_nn info`` must stay light).  The
+``"module:function"`` strings are resolved on first use.
+
+Arguments PyTorch's kernels cannot express are declined through each declaration's
+``Support`` (``check`` predicate, ``mixed_precision=False``): under ``auto`` the call goes to
+the next backend and ``pnn.explain`` says why; with ``aten`` forced it raises
+``BackendUnavailableError``.  NumPy (and every other non-torch) array is declined by family.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from portable_nn.dispatch import Support, register_builtin
+
+#: What every PyTorch kernel takes: torch tensors on the CPU or a CUDA device, in the dtypes
+#: PyTorch's kernels have for these ops, any strides (torch handles them).  No half data with
+#: float32 weights: PyTorch's kernels want one dtype.
+ATEN_SUPPORT = dict(
+    families=("torch",),
+    devices=("cpu", "cuda"),
+    dtypes=("float16", "bfloat16", "float32", "float64"),
+    mixed_precision=False,
+)
+
+# Priorities under ``auto``: above numba's 5 only for the ops where PyTorch's kernel measured faster
+# than the numba kernel on CPU torch tensors; elsewhere 2, below every native kernel (the GPU ones
+# included) and above the reference.  Static: nothing is timed at call time.  Measured with
+# ``python -m kernels_aten.measure`` (forward + backward through pnn.vjp, float32 CPU tensors,
+# 2 threads, best of 3 runs' medians; Intel Xeon with AVX-512/AMX under KVM, 2 cores; torch 2.13),
+# ms aten vs numba:
+#
+#   conv 3x3 64->64 at (32, 64, 28, 28), pad 1, bias + relu        20.3 vs 43.8   (2.16x)
+#   the same channels last, (32, 28, 28, 64)                       17.2 vs 42.5   (2.47x)
+#   conv 5x5 6->16 at (128, 6, 12, 12), bias + relu                 1.41 vs 1.93  (1.37x)
+#   lstm 2 layers, I = H = 64, N = 256, T = 50                     29.7 vs 61.2   (2.06x)
+#   rnn (tanh), same shape                                         18.2 vs 22.1   (1.21x)
+#   gru, same shape                                                52.4 vs 50.6   (0.97x: numba stays first)
+#   dense 784->512 at N = 256, bias + relu                          2.19 vs 4.46  (2.04x)
+#   dense 64->64 at N = 256, bias + relu                            0.131 vs 0.187 (1.43x)
+#   dense 784->32 at N = 128, bias + relu                           0.188 vs 0.323 (1.72x)
+#   dense 32->10 at N = 128                                         0.078 vs 0.100 (1.28x)
+#
+# The cells are not declared: ``torch.lstm_cell``/``gru_cell`` recorded by autograd (as the
+# sequences are) measured no faster than numba at N = 256, I = H = 64 (lstm_cell 0.88 vs 0.85 ms,
+# gru_cell 0.80 vs 0.66 ms), so they would only add a second path to test.  On CUDA tensors the
+# same static order puts aten's cuDNN convolution, LSTM, RNN and GEMM ahead of the cupy and
+# numba_cuda kernels (not measured here: no GPU on the measuring machine).
+FASTER_THAN_NUMBA = 6
+NOT_FASTER = 2
+PRIORITY = {"conv": FASTER_THAN_NUMBA, "lstm": FASTER_THAN_NUMBA, "rnn": FASTER_THAN_NUMBA,
+            "gru": NOT_FASTER, "dense": FASTER_THAN_NUMBA}
+
+
+def _gru_form(call: Any) -> str | None:
+    """PyTorch's GRU is the ``reset_after=True`` form only."""
+    if call.kind == "gru" and not call.reset_after:
+        return (
+            "has PyTorch's GRU, reset_after=True only (n = tanh(W_in x + b_in + r ⊙ (W_hn h + b_hn))), "
+            "not reset_after=False"
+        )
+    return None
+
+
+register_builtin(
+    "conv",
+    "aten",
+    forward="kernels_aten.conv:conv_forward",
+    backward="kernels_aten.conv:conv_backward",
+    supports=Support(
+        layouts=("channels_first", "channels_last"),
+        description="oneDNN convolution (PyTorch's im2col for float64; cuDNN on CUDA) + torch activation; "
+        "every conv argument; asymmetric (low, high) padding pads a copy of x first; channels last "
+        "as a permuted view, no copy",
+        **ATEN_SUPPORT,
+    ),
+    priority=PRIORITY["conv"],
+)
+
+#: What each sequence op runs; all take every argument but GRU's reset_after=False.
+_SEQUENCE = {
+    "lstm": "PyTorch's fused LSTM (oneDNN on CPU for float32/bfloat16, cuDNN on CUDA)",
+    "rnn": "PyTorch's fused Elman RNN, tanh or relu (cuDNN on CUDA)",
+    "gru": "PyTorch's fused GRU, reset_after=True only (cuDNN on CUDA)",
+}
+
+for _op, _what in _SEQUENCE.items():
+    register_builtin(
+        _op,
+        "aten",
+        forward="kernels_aten.rnn:sequence_forward",
+        backward="kernels_aten.rnn:sequence_backward",
+        supports=Support(
+            check=_gru_form if _op == "gru" else None,
+            description=f"{_what}, backward by autograd through it; stacked, bidirectional, batch_first, "
+            "lengths (packed sequences)",
+            **ATEN_SUPPORT,
+        ),
+        priority=PRIORITY[_op],
+    )
+
+register_builtin(
+    "dense",
+    "aten",
+    forward="kernels_aten.dense:dense_forward",
+    backward="kernels_aten.dense:dense_backward",
+    supports=Support(
+        description="F.linear (a GEMM with the bias) + torch activation; any leading shape",
+        **ATEN_SUPPORT,
+    ),
+    priority=PRIORITY["dense"],
+)
