@@ -18,12 +18,15 @@ every index inside its arrays (BLAS reads and writes raw memory).
 
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["gemm"]
+from . import _runtime
+
+__all__ = ["gemm", "parallel_gemm"]
 
 _FLOATS = (types.float32, types.float64)
 
@@ -85,3 +88,116 @@ def gemm(typingctx, trans_a, trans_b, m, n, kk, alpha, a, a_off, lda, b, b_off, 
                                  index(8), builder.bitcast(beta_slot, void_p), pointer(13, 14), index(15)))
 
     return sig, codegen
+
+
+# --------------------------------------------------------------------------- a product split across our threads
+
+_OPTS = {"cache": True, "error_model": "numpy", "nogil": True}
+
+
+@njit(inline="always", **_OPTS)
+def _part(p, parts, by_rows, ta, tb, m, n, kk, alpha, a, a_off, lda, b, b_off, ldb, beta, c, c_off, ldc):
+    """Part p of ``parts``: the product's output rows [i0, i1) (``by_rows``; row i of op(A) starts at
+    i·lda, or at i when transposed) or its output columns (column j of op(B) at j, or j·ldb)."""
+    size = m if by_rows else n
+    step = (size + parts - 1) // parts
+    i0 = p * step
+    i1 = min(size, i0 + step)
+    if i1 <= i0:
+        return
+    if by_rows:
+        gemm(ta, tb, i1 - i0, n, kk, alpha, a, a_off + (i0 if ta else i0 * lda), lda, b, b_off, ldb, beta, c,
+             c_off + i0 * ldc, ldc)
+    else:
+        gemm(ta, tb, m, i1 - i0, kk, alpha, a, a_off, lda, b, b_off + (i0 * ldb if tb else i0), ldb, beta, c,
+             c_off + i0, ldc)
+
+
+@njit(parallel=True, **_OPTS)
+def _gemm_parallel(parts, by_rows, ta, tb, m, n, kk, alpha, a, a_off, lda, b, b_off, ldb, beta, c, c_off, ldc):
+    for p in prange(parts):
+        _part(np.int64(p), parts, by_rows, ta, tb, m, n, kk, alpha, a, a_off, lda, b, b_off, ldb, beta, c, c_off,
+              ldc)
+
+
+@njit(**_OPTS)
+def _gemm_serial(parts, by_rows, ta, tb, m, n, kk, alpha, a, a_off, lda, b, b_off, ldb, beta, c, c_off, ldc):
+    """The same parts one after another (one thread allowed): the same products, the same bits."""
+    for p in range(parts):
+        _part(p, parts, by_rows, ta, tb, m, n, kk, alpha, a, a_off, lda, b, b_off, ldb, beta, c, c_off, ldc)
+
+
+@njit(inline="always", **_OPTS)
+def _k_part(p, step, ta, tb, m, n, kk, alpha, a, a_off, lda, b, b_off, ldb, partial):
+    """Part p of the inner dimension: partial[p] = op(A)[:, k0:k1] @ op(B)[k0:k1, :]."""
+    k0 = p * step
+    k1 = min(kk, k0 + step)
+    out = partial[p].reshape(-1)
+    if k1 <= k0:
+        out[:] = 0.0
+        return
+    gemm(ta, tb, m, n, k1 - k0, alpha, a, a_off + (k0 * lda if ta else k0), lda, b, b_off + (k0 if tb else k0 * ldb),
+         ldb, alpha * 0.0, out, 0, n)
+
+
+@njit(parallel=True, **_OPTS)
+def _k_parallel(step, ta, tb, m, n, kk, alpha, a, a_off, lda, b, b_off, ldb, partial):
+    for p in prange(partial.shape[0]):
+        _k_part(np.int64(p), step, ta, tb, m, n, kk, alpha, a, a_off, lda, b, b_off, ldb, partial)
+
+
+@njit(**_OPTS)
+def _k_serial(step, ta, tb, m, n, kk, alpha, a, a_off, lda, b, b_off, ldb, partial):
+    for p in range(partial.shape[0]):
+        _k_part(p, step, ta, tb, m, n, kk, alpha, a, a_off, lda, b, b_off, ldb, partial)
+
+
+#: Output rows (or columns) of one part of :func:`parallel_gemm` at least: narrower parts lose
+#: BLAS efficiency (a (32, 64) part of a K=12800 product ran at 51 GFLOP/s, (256, 64) at 97).
+MIN_PART = 128
+#: Multiply-adds of a whole product at least before it is split (PERFORMANCE.md §6: a parallel
+#: launch costs ~10-20 us).
+MIN_PARALLEL_MACS = 1 << 20
+#: The most parts a product is split into: fixed by the shape, never by the thread count, so every
+#: output element is computed the same way whatever the number of threads.
+MAX_PARTS = 8
+#: Products with a small output (at most this many elements) and a long inner dimension (weight
+#: gradients: dW = dAᵀ·X over every time step) are split along the inner dimension instead, in
+#: parts of K_PART, into partial outputs summed in part order: BLAS runs such a product at its
+#: best in chunks of 512-1024 (114 GFLOP/s for (256, 64) outputs, one thread, vs 97 for K=12800).
+K_SPLIT_MAX_OUTPUT = 1 << 16
+K_PART = 1024
+
+
+def parallel_gemm(ta, tb, m, n, kk, a, a_off, lda, b, b_off, ldb, beta, c, c_off=0, ldc=None):
+    """:func:`gemm` (alpha 1) from Python, split into parts that run on our threads.
+
+    Arrays are flat (``reshape(-1)`` of C-contiguous arrays); arguments as :func:`gemm`.  The
+    longer output side is split (rows, or columns), or for small outputs the inner dimension
+    (see K_SPLIT_MAX_OUTPUT); each part is one BLAS product on one thread (the runtime keeps
+    BLAS at one thread during our calls), so no BLAS worker is left spinning afterwards.  The
+    parts depend on the shape only: the result does not depend on the thread count.
+    """
+    ldc = n if ldc is None else ldc
+    dt = c.dtype.type
+    if m * n * kk < MIN_PARALLEL_MACS:
+        _gemm_serial(1, True, ta, tb, m, n, kk, dt(1.0), a, a_off, lda, b, b_off, ldb, dt(beta), c, c_off, ldc)
+        return
+    if m * n <= K_SPLIT_MAX_OUTPUT and kk >= 2 * K_PART and ldc == n:
+        parts = min(MAX_PARTS * 2, -(-kk // K_PART))
+        step = -(-kk // parts)
+        partial = np.empty((parts, m, n), c.dtype)
+        _runtime.run_sized(_k_parallel, _k_serial, True, step, ta, tb, m, n, kk, dt(1.0), a, a_off, lda, b, b_off,
+                           ldb, partial)
+        target = c[c_off : c_off + m * n].reshape(m, n)
+        total = partial.sum(axis=0)  # in part order
+        if beta:
+            target *= dt(beta)
+            target += total
+        else:
+            target[...] = total
+        return
+    by_rows = m >= n
+    parts = max(1, min(MAX_PARTS, (m if by_rows else n) // MIN_PART))
+    _runtime.run_sized(_gemm_parallel, _gemm_serial, parts > 1, parts, by_rows, ta, tb, m, n, kk, dt(1.0), a, a_off,
+                       lda, b, b_off, ldb, dt(beta), c, c_off, ldc)

@@ -72,10 +72,11 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from . import _runtime  # noqa: F401  (drops cached kernels when a sibling source changed)
+from . import _runtime
+from ._blas import parallel_gemm
 
 # ``contract`` lets LLVM fuse a*b + c into one FMA: it shortens the polynomials and is at
 # least as accurate (measured: the float32 LSTM cell pass 124 -> 97 us).  Helpers are inlined
@@ -354,6 +355,42 @@ def _gru_original_step(t, gi_t, gh, w_a, w_b, b_i, beta, g_s, e_s, h, y_t, col, 
 
 
 @njit(**_OPTS)
+def _forward_rows(code, w_a, w_b, b_i, b_n, beta, lengths, reverse, save, h, c, y, col, gi, gh, gates, hprev,
+                  cprev, extra, n0, n1):
+    """Rows [n0, n1) of the batch through every step of one layer direction, ``GI`` given.
+
+    A batch row's recurrence never meets another row's, so row blocks run on separate threads
+    with nothing shared but the (read-only) weights.  Arguments as :func:`_forward_direction`.
+    """
+    steps = gi.shape[0]
+    width = gi.shape[2]
+    rows = n1 - n0
+    ghb = gh[n0 * width : n1 * width]
+    gh2 = ghb.reshape(rows, width)
+    hb = h[n0:n1]
+    lb = lengths[n0:n1]
+    for k in range(steps):
+        t = steps - 1 - k if reverse else k
+        s = t if save else 0
+        if save:
+            for n in range(rows):
+                _copy_row(hb[n], hprev[t, n0 + n])
+                if code == LSTM:
+                    _copy_row(c[n0 + n], cprev[t, n0 + n])
+        gi_t = gi[t][n0:n1]
+        y_t = y[t][n0:n1]
+        g_s = gates[s][n0:n1]
+        if code == LSTM:
+            _lstm_step(t, gi_t, gh2, w_a, b_i, beta, g_s, extra[s][n0:n1], hb, c[n0:n1], y_t, col, lb)
+        elif code == GRU:
+            _gru_step(t, gi_t, gh2, w_a, b_i, b_n, beta, g_s, extra[s][n0:n1], hb, y_t, col, lb)
+        elif code == GRU_ORIGINAL:
+            _gru_original_step(t, gi_t, ghb, w_a, w_b, b_i, beta, g_s, extra[s][n0:n1], hb, y_t, col, lb)
+        else:
+            _rnn_step(code, t, gi_t, gh2, w_a, b_i, beta, g_s, hb, y_t, col, lb)
+
+
+@njit(**_OPTS)
 def _forward_direction(code, x, w_ih, w_a, w_b, b_i, b_n, beta, lengths, reverse, save,
                        h, c, y, col, gi, gh, gates, hprev, cprev, extra):
     """One layer direction over ``x`` ``(T, N, F)``; the state ``h``/``c`` ``(N, H)`` is updated in place.
@@ -368,23 +405,19 @@ def _forward_direction(code, x, w_ih, w_a, w_b, b_i, b_n, beta, lengths, reverse
     steps, n_rows, features = x.shape
     width = gi.shape[2]
     np.dot(x.reshape(steps * n_rows, features), w_ih.T, gi.reshape(steps * n_rows, width))
-    gh2 = gh.reshape(n_rows, width)
-    for k in range(steps):
-        t = steps - 1 - k if reverse else k
-        s = t if save else 0
-        if save:
-            for n in range(n_rows):
-                _copy_row(h[n], hprev[t, n])
-                if code == LSTM:
-                    _copy_row(c[n], cprev[t, n])
-        if code == LSTM:
-            _lstm_step(t, gi[t], gh2, w_a, b_i, beta, gates[s], extra[s], h, c, y[t], col, lengths)
-        elif code == GRU:
-            _gru_step(t, gi[t], gh2, w_a, b_i, b_n, beta, gates[s], extra[s], h, y[t], col, lengths)
-        elif code == GRU_ORIGINAL:
-            _gru_original_step(t, gi[t], gh, w_a, w_b, b_i, beta, gates[s], extra[s], h, y[t], col, lengths)
-        else:
-            _rnn_step(code, t, gi[t], gh2, w_a, b_i, beta, gates[s], h, y[t], col, lengths)
+    _forward_rows(code, w_a, w_b, b_i, b_n, beta, lengths, reverse, save, h, c, y, col, gi, gh, gates, hprev, cprev,
+                  extra, 0, n_rows)
+
+
+@njit(parallel=True, **_OPTS)
+def _forward_blocks(code, w_a, w_b, b_i, b_n, beta, lengths, reverse, save, h, c, y, col, gi, gh, gates, hprev,
+                    cprev, extra, block):
+    """:func:`_forward_rows` over blocks of ``block`` batch rows, in parallel (``GI`` given)."""
+    n = h.shape[0]
+    for b in prange((n + block - 1) // block):
+        n0 = np.int64(b) * block
+        _forward_rows(code, w_a, w_b, b_i, b_n, beta, lengths, reverse, save, h, c, y, col, gi, gh, gates, hprev,
+                      cprev, extra, n0, min(n, n0 + block))
 
 
 # --------------------------------------------------------------------------- backward steps
@@ -569,6 +602,83 @@ def _gemm_into(a, b, out, add):
 
 
 @njit(**_OPTS)
+def _backward_rows(code, w_a, w_b, gates, hprev, cprev, extra, lengths, reverse, dy, col, has_dy, dh, dc,
+                   want_state, da, db, dh2, tmp, acc_a, acc_b, want_w, n0, n1):
+    """Backward through time of rows [n0, n1) of the batch (arguments as :func:`_backward_direction`;
+    ``acc_a``/``acc_b`` are this block's float64 bias sums)."""
+    steps = gates.shape[0]
+    cur = dh[n0:n1]
+    nxt = dh2[n0:n1]
+    dcb = dc[n0:n1] if code == LSTM else dc
+    tb_ = tmp[n0:n1]
+    lb = lengths[n0:n1]
+    rows = n1 - n0
+    flipped = False
+    two = code == GRU or code == GRU_ORIGINAL  # whether db is a real (T, N, ·) buffer
+    for k in range(steps):
+        t = k if reverse else steps - 1 - k
+        tb = t if two else 0
+        g_t = gates[t][n0:n1]
+        da_t = da[t][n0:n1]
+        db_t = db[tb][n0:n1]
+        dy_t = dy[t][n0:n1]
+        if code == LSTM:
+            _lstm_back(t, g_t, cprev[t][n0:n1], extra[t][n0:n1], cur, dcb, dy_t, col, has_dy, da_t, lb)
+        elif code == GRU:
+            _gru_back(t, g_t, hprev[t][n0:n1], extra[t][n0:n1], cur, dy_t, col, has_dy, da_t, db_t, lb)
+        elif code == GRU_ORIGINAL:
+            _gru_original_back(t, g_t, hprev[t][n0:n1], w_b, cur, dy_t, col, has_dy, da_t, db_t, tb_, lb)
+        else:
+            _rnn_back(code, t, g_t, cur, dy_t, col, has_dy, da_t, lb)
+        if want_w & 4:
+            for n in range(rows):
+                _accumulate_row(da_t[n], acc_a)
+                if two:
+                    _accumulate_row(db_t[n], acc_b)
+        if want_state or k < steps - 1:
+            _state_grad(code, t, g_t, w_a, da_t, db_t, tb_, cur, nxt, lb)
+            cur, nxt = nxt, cur
+            flipped = not flipped
+    if flipped:
+        for n in range(rows):
+            _copy_row(cur[n], dh[n0 + n])
+
+
+@njit(**_OPTS)
+def _forward_blocks_serial(code, w_a, w_b, b_i, b_n, beta, lengths, reverse, save, h, c, y, col, gi, gh, gates,
+                           hprev, cprev, extra, block):
+    """The same blocks one after another (one thread allowed): the same results, bit for bit."""
+    n = h.shape[0]
+    for b in range((n + block - 1) // block):
+        n0 = b * block
+        _forward_rows(code, w_a, w_b, b_i, b_n, beta, lengths, reverse, save, h, c, y, col, gi, gh, gates, hprev,
+                      cprev, extra, n0, min(n, n0 + block))
+
+
+@njit(parallel=True, **_OPTS)
+def _backward_blocks(code, w_a, w_b, gates, hprev, cprev, extra, lengths, reverse, dy, col, has_dy, dh, dc,
+                     want_state, da, db, dh2, tmp, acc_a, acc_b, want_w, block):
+    """:func:`_backward_rows` over blocks of ``block`` batch rows in parallel; block b sums its bias
+    gradients into ``acc_a[b]``/``acc_b[b]`` (added in block order afterwards)."""
+    n = dh.shape[0]
+    for b in prange((n + block - 1) // block):
+        n0 = np.int64(b) * block
+        _backward_rows(code, w_a, w_b, gates, hprev, cprev, extra, lengths, reverse, dy, col, has_dy, dh, dc,
+                       want_state, da, db, dh2, tmp, acc_a[b], acc_b[b], want_w, n0, min(n, n0 + block))
+
+
+@njit(**_OPTS)
+def _backward_blocks_serial(code, w_a, w_b, gates, hprev, cprev, extra, lengths, reverse, dy, col, has_dy, dh, dc,
+                            want_state, da, db, dh2, tmp, acc_a, acc_b, want_w, block):
+    """The same blocks one after another (one thread allowed): the same results, bit for bit."""
+    n = dh.shape[0]
+    for b in range((n + block - 1) // block):
+        n0 = b * block
+        _backward_rows(code, w_a, w_b, gates, hprev, cprev, extra, lengths, reverse, dy, col, has_dy, dh, dc,
+                       want_state, da, db, dh2, tmp, acc_a[b], acc_b[b], want_w, n0, min(n, n0 + block))
+
+
+@njit(**_OPTS)
 def _backward_direction(code, x, w_ih, w_a, w_b, gates, hprev, cprev, extra, lengths, reverse,
                         dy, col, has_dy, dh, dc, want_state, da, db, dh2, tmp, acc_a, acc_b,
                         want_w, dw_ih, dw_hh, want_dx, dx, dx_add):
@@ -584,33 +694,8 @@ def _backward_direction(code, x, w_ih, w_a, w_b, gates, hprev, cprev, extra, len
     """
     steps, n_rows, features = x.shape
     hs = dh.shape[1]
-    cur = dh
-    nxt = dh2
-    flipped = False
-    two = code == GRU or code == GRU_ORIGINAL  # whether db is a real (T, N, ·) buffer
-    for k in range(steps):
-        t = k if reverse else steps - 1 - k
-        tb = t if two else 0
-        if code == LSTM:
-            _lstm_back(t, gates[t], cprev[t], extra[t], cur, dc, dy[t], col, has_dy, da[t], lengths)
-        elif code == GRU:
-            _gru_back(t, gates[t], hprev[t], extra[t], cur, dy[t], col, has_dy, da[t], db[t], lengths)
-        elif code == GRU_ORIGINAL:
-            _gru_original_back(t, gates[t], hprev[t], w_b, cur, dy[t], col, has_dy, da[t], db[t], tmp, lengths)
-        else:
-            _rnn_back(code, t, gates[t], cur, dy[t], col, has_dy, da[t], lengths)
-        if want_w & 4:
-            for n in range(n_rows):
-                _accumulate_row(da[t, n], acc_a)
-                if two:
-                    _accumulate_row(db[t, n], acc_b)
-        if want_state or k < steps - 1:
-            _state_grad(code, t, gates[t], w_a, da[t], db[tb], tmp, cur, nxt, lengths)
-            cur, nxt = nxt, cur
-            flipped = not flipped
-    if flipped:
-        for n in range(n_rows):
-            _copy_row(cur[n], dh[n])
+    _backward_rows(code, w_a, w_b, gates, hprev, cprev, extra, lengths, reverse, dy, col, has_dy, dh, dc,
+                   want_state, da, db, dh2, tmp, acc_a, acc_b, want_w, 0, n_rows)
 
     m = steps * n_rows
     x2 = x.reshape(m, features)
@@ -747,10 +832,10 @@ class _Saved:
 
     def __init__(self, code, steps, n, hs, dtype, save):
         rows = steps if save else 1
-        self.gates = np.empty((rows, n, _GATES[code] * hs), dtype)
-        self.hprev = np.empty((steps, n, hs), dtype) if save else _dummy(dtype, 3)
-        self.cprev = np.empty((steps, n, hs), dtype) if save and code == LSTM else _dummy(dtype, 3)
-        self.extra = np.empty((rows, n, hs), dtype) if code in (LSTM, GRU, GRU_ORIGINAL) else _dummy(dtype, 3)
+        self.gates = _runtime.empty((rows, n, _GATES[code] * hs), dtype)
+        self.hprev = _runtime.empty((steps, n, hs), dtype) if save else _dummy(dtype, 3)
+        self.cprev = _runtime.empty((steps, n, hs), dtype) if save and code == LSTM else _dummy(dtype, 3)
+        self.extra = _runtime.empty((rows, n, hs), dtype) if code in (LSTM, GRU, GRU_ORIGINAL) else _dummy(dtype, 3)
 
 
 class _Workspace:
@@ -758,14 +843,46 @@ class _Workspace:
 
     def __init__(self, code, steps, n, hs, dtype):
         width = _GATES[code] * hs
-        self.gi = np.empty((steps, n, width), dtype)
+        self.gi = _runtime.empty((steps, n, width), dtype)
         self.gh = np.empty(n * width, dtype)
 
 
+#: Batch rows per block of the blocked time loops (about; blocks are equal).  Fixed by the shape,
+#: so results do not depend on the thread count: two threads run the two 128-row blocks of an
+#: N=256 batch side by side, one thread runs them one after the other.
+BLOCK_ROWS = 128
+#: Multiply-adds of one direction's products below which it runs unblocked, in one compiled call
+#: (the cells, small layers: a parallel launch costs more than it saves; PERFORMANCE.md §6).
+BLOCKED_MIN_MACS = 1 << 24
+
+
+def _block_rows(code, steps, n, features, hs):
+    """Rows per block of the blocked path, or 0 for the unblocked one (see BLOCK_ROWS)."""
+    blocks = max(1, (n + BLOCK_ROWS // 2) // BLOCK_ROWS)
+    macs = steps * n * _GATES[code] * hs * (features + hs)
+    if blocks < 2 or macs < BLOCKED_MIN_MACS:
+        return 0
+    return -(-n // blocks)
+
+
+def _run_blocks(parallel_kernel, serial_kernel, *args):
+    """The blocked time loop on our threads when more than one may run, else the same blocks serially."""
+    _runtime.run_sized(parallel_kernel, serial_kernel, True, *args)
+
+
 def _forward_one(code, x, w, lengths, reverse, save, h, c, y, col, work):
-    saved = _Saved(code, x.shape[0], x.shape[1], h.shape[1], x.dtype, save)
-    _forward_direction(code, x, w.w_ih, w.w_a, w.w_b, w.b_i, w.b_n, w.beta, lengths, reverse, save,
-                       h, c, y, col, work.gi, work.gh, saved.gates, saved.hprev, saved.cprev, saved.extra)
+    steps, n, features = x.shape
+    saved = _Saved(code, steps, n, h.shape[1], x.dtype, save)
+    block = _block_rows(code, steps, n, features, h.shape[1])
+    if not block:
+        _forward_direction(code, x, w.w_ih, w.w_a, w.w_b, w.b_i, w.b_n, w.beta, lengths, reverse, save,
+                           h, c, y, col, work.gi, work.gh, saved.gates, saved.hprev, saved.cprev, saved.extra)
+        return saved
+    width = work.gi.shape[2]
+    parallel_gemm(0, 1, steps * n, width, features, x.reshape(-1), 0, features, w.w_ih.reshape(-1), 0, features,
+                  0.0, work.gi.reshape(-1))
+    _run_blocks(_forward_blocks, _forward_blocks_serial, code, w.w_a, w.w_b, w.b_i, w.b_n, w.beta, lengths, reverse,
+                save, h, c, y, col, work.gi, work.gh, saved.gates, saved.hprev, saved.cprev, saved.extra, block)
     return saved
 
 
@@ -779,8 +896,8 @@ class _Grads:
             wa = wb = 3 * hs
         else:
             wa, wb = _GATES[code] * hs, 1
-        self.da = np.empty((steps, n, wa), dtype)
-        self.db = np.empty((steps, n, wb), dtype) if code in (GRU, GRU_ORIGINAL) else _dummy(dtype, 3)
+        self.da = _runtime.empty((steps, n, wa), dtype)
+        self.db = _runtime.empty((steps, n, wb), dtype) if code in (GRU, GRU_ORIGINAL) else _dummy(dtype, 3)
         self.dh2 = np.empty((n, hs), dtype)
         self.tmp = np.empty((n, hs), dtype)
         self.wa, self.wb = wa, wb
@@ -809,20 +926,61 @@ def _backward_one(code, x, w, saved, lengths, reverse, dy, col, has_dy, dh, dc, 
             dw[j] = _direct(buffers[j], like.shape, dtype)
             if dw[j] is None:
                 dw[j] = np.empty_like(like)
-    acc_a = np.zeros(grads.wa)
-    acc_b = np.zeros(grads.wb)
-    _backward_direction(code, x, w.w_ih, w.w_a, w.w_b, saved.gates, saved.hprev, saved.cprev, saved.extra,
-                        lengths, reverse, dy, col, has_dy, dh, dc, want_state, grads.da, grads.db,
-                        grads.dh2, grads.tmp, acc_a, acc_b, wanted,
-                        _dummy(dtype, 2) if dw[0] is None else dw[0],
-                        _dummy(dtype, 2) if dw[1] is None else dw[1],
-                        dx is not None, _dummy(dtype, 3) if dx is None else dx, dx_add)
+    steps, n, features = x.shape
+    block = _block_rows(code, steps, n, features, dh.shape[1])
+    if not block:
+        acc_a = np.zeros(grads.wa)
+        acc_b = np.zeros(grads.wb)
+        _backward_direction(code, x, w.w_ih, w.w_a, w.w_b, saved.gates, saved.hprev, saved.cprev, saved.extra,
+                            lengths, reverse, dy, col, has_dy, dh, dc, want_state, grads.da, grads.db,
+                            grads.dh2, grads.tmp, acc_a, acc_b, wanted,
+                            _dummy(dtype, 2) if dw[0] is None else dw[0],
+                            _dummy(dtype, 2) if dw[1] is None else dw[1],
+                            dx is not None, _dummy(dtype, 3) if dx is None else dx, dx_add)
+    else:
+        blocks = -(-n // block)
+        acc_a = np.zeros((blocks, grads.wa))
+        acc_b = np.zeros((blocks, grads.wb))
+        _run_blocks(_backward_blocks, _backward_blocks_serial, code, w.w_a, w.w_b, saved.gates, saved.hprev,
+                    saved.cprev, saved.extra, lengths, reverse, dy, col, has_dy, dh, dc, want_state, grads.da,
+                    grads.db, grads.dh2, grads.tmp, acc_a, acc_b, wanted, block)
+        _weight_products(code, x, w, saved, grads, wanted, dw, dx, dx_add)
+        acc_a, acc_b = acc_a.sum(axis=0), acc_b.sum(axis=0)  # block sums in block order
     result = [None if dw[j] is None else _into(buffers[j], dw[j]) for j in range(2)]
     sums = _bias_sums(code, acc_a, acc_b)
     for j in range(2):
         present = w.has_bias[j] and wanted & BIASES
         result.append(_into(buffers[2 + j], sums[j].astype(dtype)) if present else None)
     return tuple(result)
+
+
+def _weight_products(code, x, w, saved, grads, wanted, dw, dx, dx_add):
+    """The blocked path's products over all T·N rows, split across our threads (see
+    :func:`_backward_direction`, whose serial tail computes the same): dw_ih = dAᵀ·X,
+    dw_hh = dAᵀ·H_prev (GRU: the hidden-side gradient, and r ⊙ h for the original form's n rows),
+    dX (+)= dA·w_ih."""
+    steps, n, features = x.shape
+    m = steps * n
+    hs = saved.hprev.shape[2]
+    xf, da, db = x.reshape(-1), grads.da.reshape(-1), grads.db.reshape(-1)
+    hprev = saved.hprev.reshape(-1)
+    if code == GRU_ORIGINAL:
+        # (gradient, its width, its rows of w, the state its w_hh rows multiply)
+        parts = ((da, 2 * hs, 0, hprev), (db, hs, 2 * hs, saved.extra.reshape(-1)))
+    else:
+        width = grads.wa
+        parts = ((da, width, 0, db if code == GRU else da),)
+    w_ih = w.w_ih.reshape(-1)
+    for k, (grad, width, row0, state) in enumerate(parts):
+        if wanted & W_IH:
+            parallel_gemm(1, 0, width, features, m, grad, 0, width, xf, 0, features, 0.0, dw[0].reshape(-1),
+                          row0 * features)
+        if wanted & W_HH:
+            hidden, st = (state, hprev) if code != GRU_ORIGINAL else (grad, state)
+            parallel_gemm(1, 0, width, hs, m, hidden, 0, width, st, 0, hs, 0.0, dw[1].reshape(-1), row0 * hs)
+        if dx is not None:
+            parallel_gemm(0, 0, m, features, width, grad, 0, width, w_ih, row0 * features, features,
+                          1.0 if dx_add or k else 0.0, dx.reshape(-1))
 
 
 # --------------------------------------------------------------------------- cells: entry points
@@ -909,7 +1067,7 @@ def sequence_forward(call):
     inputs, weights, saved = [], [], []
     inp = X
     for layer in range(layers):
-        y = np.empty((steps, n, dirs * hs), dtype)
+        y = _runtime.empty((steps, n, dirs * hs), dtype)
         for d in range(dirs):
             k = layer * dirs + d
             w = _Direction(code, *(call.arrays[name] for name in call.param_names[k]), dtype)
@@ -944,7 +1102,7 @@ def sequence_backward(residuals, cotangents, needs, out=None):
         if layer > 0 or want_x:
             if layer == 0 and not call.batch_first:
                 dX = _direct(out.get("x"), X.shape, dtype)
-            dX = np.empty_like(X) if dX is None else dX
+            dX = _runtime.empty_like(X) if dX is None else dX
         for d in range(dirs):
             k = layer * dirs + d
             buffers = (None,) * 4 if param_out is None else param_out[k]

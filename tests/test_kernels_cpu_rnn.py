@@ -138,6 +138,17 @@ def test_torch_cpu_tensors_run_the_kernel_and_get_tensors_back():
 # --------------------------------------------------------------------------- agreement with the reference
 
 
+@pytest.fixture(params=["unblocked", "blocked"])
+def blocking(request, monkeypatch):
+    """The one-call time loop, or batch blocks of two rows (threaded when two threads may run)."""
+    from kernels_cpu import rnn
+
+    if request.param == "blocked":
+        monkeypatch.setattr(rnn, "BLOCK_ROWS", 2)
+        monkeypatch.setattr(rnn, "BLOCKED_MIN_MACS", 0)
+    return request.param
+
+
 SEQUENCE_OPTIONS = [
     {},
     {"bidirectional": True},
@@ -153,7 +164,7 @@ def _options_id(options):
 
 @pytest.mark.parametrize("options", SEQUENCE_OPTIONS, ids=_options_id)
 @pytest.mark.parametrize(("kind", "kw"), VARIANTS, ids=VARIANT_IDS)
-def test_sequence_float64_matches_the_reference(kind, kw, options):
+def test_sequence_float64_matches_the_reference(kind, kw, options, blocking):
     p = _problem(kind, **options)
     expected, _ = _sequence(kind, p, "reference", **kw)
     actual, _ = _sequence(kind, p, "numba", **kw)
@@ -182,7 +193,7 @@ def test_cell_float64_matches_the_reference(kind, kw, unbatched):
 
 
 @pytest.mark.parametrize(("kind", "kw"), VARIANTS, ids=VARIANT_IDS)
-def test_float32_close_to_the_float64_reference(kind, kw):
+def test_float32_close_to_the_float64_reference(kind, kw, blocking):
     """The float32 path (degree-6 exp polynomial, float32 GEMMs) stays well inside 1e-5."""
     p64 = _problem(kind, steps=8, n=5, hs=6, bidirectional=True, lengths=[8, 3, 6, 1, 8])
     p32 = {k: v for k, v in p64.items()}
@@ -244,7 +255,7 @@ SIZES = [(3, 4), (96, 48)]
 
 @pytest.mark.parametrize("size", SIZES, ids=["small-blas-serial", "large-blas-threaded"])
 @pytest.mark.parametrize(("kind", "kw"), [VARIANTS[2], VARIANTS[4]], ids=["lstm", "gru_original"])
-def test_bitwise_deterministic_and_matching_the_reference(kind, kw, size):
+def test_bitwise_deterministic_and_matching_the_reference(kind, kw, size, blocking):
     n, hs = size
     p = _problem(kind, steps=4, n=n, hs=hs, features=8, bidirectional=True, lengths=[4, 1, 3] * (n // 3))
     first, _ = _sequence(kind, p, "numba", **kw)
@@ -253,6 +264,22 @@ def test_bitwise_deterministic_and_matching_the_reference(kind, kw, size):
         assert np.array_equal(a, b)
     expected, _ = _sequence(kind, p, "reference", **kw)
     _assert_matches(first, expected, 1e-12)
+
+
+@pytest.mark.parametrize(("kind", "kw"), VARIANTS, ids=VARIANT_IDS)
+def test_blocked_results_do_not_depend_on_the_thread_count(kind, kw, monkeypatch):
+    """Blocks are fixed by the shape: one thread runs the same blocks as two, bit for bit."""
+    from kernels_cpu import rnn
+
+    monkeypatch.setattr(rnn, "BLOCK_ROWS", 4)
+    monkeypatch.setattr(rnn, "BLOCKED_MIN_MACS", 0)
+    p = _problem(kind, dtype=np.float32, steps=6, n=12, hs=8, bidirectional=True, lengths=[6, 2, 5, 1] * 3)
+    results = []
+    for threads in (1, 2):
+        with pnn.use_threads(threads):
+            results.append(_sequence(kind, p, "numba", **kw)[0])
+    for a, b in zip(*results):
+        assert np.array_equal(a, b)
 
 
 def test_concurrent_calls_from_threads_agree():
@@ -289,7 +316,7 @@ def test_one_compiled_specialisation_per_dtype():
 
 
 @pytest.mark.parametrize("batch_first", [False, True])
-def test_sequence_out_buffers_are_written_in_place(batch_first):
+def test_sequence_out_buffers_are_written_in_place(batch_first, blocking):
     p = _problem("lstm", bidirectional=True, batch_first=batch_first, lengths=[5, 2, 4])
     _, ref = _sequence("lstm", p, "numba")
     bufs = {
