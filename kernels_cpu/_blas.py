@@ -169,6 +169,12 @@ K_SPLIT_MAX_OUTPUT = 1 << 16
 K_PART = 1024
 
 
+def _power_of_two(parts: int) -> int:
+    """The largest power of two <= parts: 2, 4 or 8 threads then share the parts evenly (three parts on
+    two threads take as long as two)."""
+    return 1 << (parts.bit_length() - 1)
+
+
 def parallel_gemm(ta, tb, m, n, kk, a, a_off, lda, b, b_off, ldb, beta, c, c_off=0, ldc=None):
     """:func:`gemm` (alpha 1) from Python, split into parts that run on our threads.
 
@@ -184,7 +190,7 @@ def parallel_gemm(ta, tb, m, n, kk, a, a_off, lda, b, b_off, ldb, beta, c, c_off
         _gemm_serial(1, True, ta, tb, m, n, kk, dt(1.0), a, a_off, lda, b, b_off, ldb, dt(beta), c, c_off, ldc)
         return
     if m * n <= K_SPLIT_MAX_OUTPUT and kk >= 2 * K_PART and ldc == n:
-        parts = min(MAX_PARTS * 2, -(-kk // K_PART))
+        parts = _power_of_two(min(MAX_PARTS * 2, -(-kk // K_PART)))
         step = -(-kk // parts)
         partial = np.empty((parts, m, n), c.dtype)
         _runtime.run_sized(_k_parallel, _k_serial, True, step, ta, tb, m, n, kk, dt(1.0), a, a_off, lda, b, b_off,
@@ -198,6 +204,6 @@ def parallel_gemm(ta, tb, m, n, kk, a, a_off, lda, b, b_off, ldb, beta, c, c_off
             target[...] = total
         return
     by_rows = m >= n
-    parts = max(1, min(MAX_PARTS, (m if by_rows else n) // MIN_PART))
+    parts = _power_of_two(max(1, min(MAX_PARTS, (m if by_rows else n) // MIN_PART)))
     _runtime.run_sized(_gemm_parallel, _gemm_serial, parts > 1, parts, by_rows, ta, tb, m, n, kk, dt(1.0), a, a_off,
                        lda, b, b_off, ldb, dt(beta), c, c_off, ldc)

@@ -12,13 +12,16 @@ activation.  With ``x`` flattened to ``X (M, in)`` and ``W (out, in)``::
 leaky_relu with a positive slope), else the pre-activation ``z`` (kept only when a backward
 will follow; for the identity nothing is kept and g is dy itself).
 
-Small layers (the MLP's, a few MFLOP) are all Python overhead and BLAS: each pass is one
+Tiny layers (up to ``SERIAL_MAX_MACS``) are all Python overhead and BLAS: each pass is one
 serial ``@njit`` call that runs the product (``np.dot`` on contiguous 2-D arrays inside the
 kernel) and then the epilogue, with no thread pool of ours (PERFORMANCE.md §6: a parallel
 launch costs more than such a layer), behind a wrapper that does as little Python as it can.
-Large layers call the product from Python (NumPy's BLAS, threaded as it sees fit) and run the
-epilogue and the gradient pass in parallel over fixed row blocks, whose float64 bias partials
-are summed in block order: results are reproducible run to run and across thread counts.
+Larger layers (the MLP's 784->32 already) run in parts fixed by the shape, on our threads:
+each part one single-threaded BLAS product (the runtime keeps BLAS at one thread during our
+calls, so no BLAS worker spins afterwards) with its rows' epilogue or gradient pass; float64
+bias partials are summed in part order, so results are reproducible run to run and across
+thread counts.  Measured, (128, 784) @ (784, 32)ᵀ + relu, 2 threads, Xeon with AVX-512: one
+BLAS thread 49 us, NumPy's threaded BLAS 70 us, three parts on our threads see the bench.
 """
 
 from __future__ import annotations
@@ -29,17 +32,11 @@ from numba import njit, prange
 from portable_nn.reference.activations import keeps_output_only
 
 from . import _runtime
+from ._blas import gemm
 from ._runtime import into as _into
 from .activations import apply_kind, deriv_kind, rectifier_slope
 
 _OPTS = {"cache": True, "error_model": "numpy", "nogil": True}
-# Below this many output elements the epilogue and gradient passes run serially, in the same
-# call as the products (PERFORMANCE.md §6: parallel pays above ~50 µs of work).
-PARALLEL_MIN_ELEMENTS = 1 << 18
-# Rows per parallel task (fixed, so the bias-gradient partials do not depend on the thread count).
-BLOCK_ROWS = 256
-
-
 # --------------------------------------------------------------------------- epilogue and gradient pass
 #
 # Loop nests take an activation *kind* as a literal (0 identity, 1 relu or leaky_relu, 2 any
@@ -124,34 +121,121 @@ def _backward_serial(x, w, dy, k, g, dx, dw, db, code, slope, from_output, need_
         np.dot(g, w, dx)
 
 
-# --------------------------------------------------------------------------- parallel passes (large layers)
+# --------------------------------------------------------------------------- blocked passes (larger layers)
+#
+# Above SERIAL_MAX_MACS a layer runs in parts fixed by its shape (so results do not depend on the
+# thread count), each part one BLAS product on one thread plus its share of the epilogue:
+#
+#   forward:   rows [r0, r1) of Z = X @ Wᵀ, then y = act(Z + b) on those rows
+#   backward:  rows [r0, r1) of g = dy · act'(kept), their bias partial, and dX = g @ W on them;
+#              then the parts of dW = gᵀ @ X, split along dW's longer side
 
 
 @njit(inline="always", **_OPTS)
-def _rows_task(t, backward, a, k, b, out, dbp, keep_z, code, slope, from_output):
-    """Row block t: the epilogue (a = z, out = y) or the gradient pass (a = dy, k = kept, out = g,
-    the block's bias partial in dbp[t])."""
-    r0 = t * BLOCK_ROWS
-    r1 = min(a.shape[0], r0 + BLOCK_ROWS)
-    if backward:
-        _grad(a, k, out, dbp[t], r0, r1, code, slope, from_output)
+def _span(p, parts, size):
+    step = (size + parts - 1) // parts
+    start = p * step
+    return start, min(size, start + step)
+
+
+@njit(inline="always", **_OPTS)
+def _forward_part(p, parts, x, w, b, y, z, keep_z, code, slope):
+    r0, r1 = _span(p, parts, x.shape[0])
+    if r1 <= r0:
+        return
+    n_in, n_out = x.shape[1], w.shape[0]
+    target = z if keep_z else y
+    gemm(0, 1, r1 - r0, n_out, n_in, x.dtype.type(1.0), x.reshape(-1), r0 * n_in, n_in, w.reshape(-1), 0, n_in,
+         x.dtype.type(0.0), target.reshape(-1), r0 * n_out, n_out)
+    _epilogue(target, b, y, r0, r1, keep_z, code, slope)
+
+
+@njit(inline="always", **_OPTS)
+def _gradient_part(p, parts, w, dy, k, g, dx, dbp, code, slope, from_output, need_x):
+    """Rows of g (g is dy itself for the identity: code 0), their bias partial dbp[p], and dX on them."""
+    r0, r1 = _span(p, parts, dy.shape[0])
+    if r1 <= r0:
+        return
+    n_out, n_in = w.shape
+    if code == 0:
+        acc = dbp[p]
+        for i in range(r0, r1):
+            d = dy[i]
+            for j in range(n_out):
+                acc[j] += d[j]
     else:
-        _epilogue(a, b, out, r0, r1, keep_z, code, slope)
+        _grad(dy, k, g, dbp[p], r0, r1, code, slope, from_output)
+    if need_x:
+        gemm(0, 0, r1 - r0, n_in, n_out, g.dtype.type(1.0), g.reshape(-1), r0 * n_out, n_out, w.reshape(-1), 0, n_in,
+             g.dtype.type(0.0), dx.reshape(-1), r0 * n_in, n_in)
+
+
+@njit(inline="always", **_OPTS)
+def _weight_part(p, parts, x, g, dw):
+    """Part p of dW = gᵀ @ X: a block of dW's rows (output units) or columns (inputs), the longer side."""
+    m, n_in = x.shape
+    n_out = g.shape[1]
+    one, zero = x.dtype.type(1.0), x.dtype.type(0.0)
+    if n_out >= n_in:
+        o0, o1 = _span(p, parts, n_out)
+        if o1 > o0:
+            gemm(1, 0, o1 - o0, n_in, m, one, g.reshape(-1), o0, n_out, x.reshape(-1), 0, n_in, zero,
+                 dw.reshape(-1), o0 * n_in, n_in)
+    else:
+        c0, c1 = _span(p, parts, n_in)
+        if c1 > c0:
+            gemm(1, 0, n_out, c1 - c0, m, one, g.reshape(-1), 0, n_out, x.reshape(-1), c0, n_in, zero,
+                 dw.reshape(-1), c0, n_in)
 
 
 @njit(parallel=True, **_OPTS)
-def _rows_parallel(backward, a, k, b, out, dbp, keep_z, code, slope, from_output):
-    """Row blocks in parallel.  One parallel kernel for both passes: each costs seconds to compile."""
-    for t in prange((a.shape[0] + BLOCK_ROWS - 1) // BLOCK_ROWS):
-        # prange indices are unsigned: keep the serial signature
-        _rows_task(np.int64(t), backward, a, k, b, out, dbp, keep_z, code, slope, from_output)
+def _forward_parallel(parts, x, w, b, y, z, keep_z, code, slope):
+    for p in prange(parts):
+        _forward_part(np.int64(p), parts, x, w, b, y, z, keep_z, code, slope)
 
 
 @njit(**_OPTS)
-def _rows_serial(backward, a, k, b, out, dbp, keep_z, code, slope, from_output):
-    """The same, one block after another (one thread allowed, or a forked child)."""
-    for t in range((a.shape[0] + BLOCK_ROWS - 1) // BLOCK_ROWS):
-        _rows_task(t, backward, a, k, b, out, dbp, keep_z, code, slope, from_output)
+def _forward_parts(parts, x, w, b, y, z, keep_z, code, slope):
+    """The same parts one after another (one thread allowed, or a forked child)."""
+    for p in range(parts):
+        _forward_part(p, parts, x, w, b, y, z, keep_z, code, slope)
+
+
+@njit(parallel=True, **_OPTS)
+def _backward_parallel(parts, wparts, x, w, dy, k, g, dx, dw, dbp, code, slope, from_output, need_x, need_w):
+    for p in prange(parts):
+        _gradient_part(np.int64(p), parts, w, dy, k, g, dx, dbp, code, slope, from_output, need_x)
+    if need_w:
+        for p in prange(wparts):
+            _weight_part(np.int64(p), wparts, x, g, dw)
+
+
+@njit(**_OPTS)
+def _backward_parts(parts, wparts, x, w, dy, k, g, dx, dw, dbp, code, slope, from_output, need_x, need_w):
+    """The same parts one after another."""
+    for p in range(parts):
+        _gradient_part(p, parts, w, dy, k, g, dx, dbp, code, slope, from_output, need_x)
+    if need_w:
+        for p in range(wparts):
+            _weight_part(p, wparts, x, g, dw)
+
+
+#: Layers with fewer multiply-adds run serially, product and epilogue in one compiled call (a
+#: parallel launch costs more than it saves below ~1M: PERFORMANCE.md §6) ...
+SERIAL_MAX_MACS = 1 << 20
+#: ... larger ones in about one part per PART_MACS multiply-adds, at most MAX_PARTS parts, each
+#: with at least MIN_PART_ROWS rows (or dW rows/columns).
+PART_MACS = 1 << 20
+MAX_PARTS = 8
+MIN_PART_ROWS = 16
+
+
+def _parts(macs, side):
+    """Parts of a pass over ``side`` rows: fixed by the shape (results do not depend on the thread count),
+    a power of two so that two (or four, eight) threads share them evenly: three parts of a
+    (128, 784) @ (784, 32) product on two threads took as long as one (78 vs 79 us), two 50 us."""
+    parts = max(1, min(MAX_PARTS, macs // PART_MACS, side // MIN_PART_ROWS))
+    return 1 << (parts.bit_length() - 1)
 
 
 # --------------------------------------------------------------------------- entry points
@@ -183,14 +267,15 @@ def dense_forward(call):
     code, slope = act_.code, act_.slope
     from_output = keeps_output_only(act_)
     keep_z = call.save and not from_output
-    y2 = np.empty((m, n_out), dtype)
-    z2 = np.empty((m, n_out), dtype) if keep_z else y2
-    if m * n_out < PARALLEL_MIN_ELEMENTS:
+    y2 = _runtime.empty((m, n_out), dtype)
+    z2 = _runtime.empty((m, n_out), dtype) if keep_z else y2
+    macs = m * n_in * n_out
+    if macs <= SERIAL_MAX_MACS:
         _forward_serial(x2, w, b, y2, z2, keep_z, code, slope)
     else:
-        np.matmul(x2, w.T, out=z2)
-        _runtime.run_sized(_rows_parallel, _rows_serial, True,
-                           False, z2, z2, b, y2, np.empty((0, 0)), keep_z, code, slope, from_output)
+        parts = _parts(macs, m)
+        _runtime.run_sized(_forward_parallel, _forward_parts, parts > 1, parts, x2, w, b, y2, z2, keep_z, code,
+                           slope)
     residuals = None
     if call.save:
         kept = None if code == 0 else (y2 if from_output else z2)
@@ -214,20 +299,22 @@ def dense_backward(residuals, cotangents, needs, out=None):
     dx = _target(out, "x", x_shape, dtype) if need_x else None
     dx2 = dx.reshape(m, n_in) if need_x else np.empty((0, n_in), dtype)
     dw = _target(out, "weight", w.shape, dtype) if need_w else np.empty((0, n_in), dtype)
-    if m * n_out < PARALLEL_MIN_ELEMENTS:
+    macs = m * n_in * n_out
+    if macs <= SERIAL_MAX_MACS:
         db = np.zeros(n_out)
         g = np.empty((m, n_out) if code else (0, n_out), dtype)
         _backward_serial(x2, w, dy2, k2, g, dx2, dw, db, code, slope, from_output, need_x, need_w)
     else:
-        dbp = np.zeros((-(-m // BLOCK_ROWS), n_out))
-        g = np.empty((m, n_out), dtype)
-        _runtime.run_sized(_rows_parallel, _rows_serial, True,
-                           True, dy2, k2, np.empty(0, dtype), g, dbp, False, code, slope, from_output)
+        if not dy2.flags.writeable:  # g may be dy itself, and the kernels are typed for writable arrays
+            dy2 = dy2.copy()
+            k2 = dy2 if kept is None else kept
+        parts = _parts(macs, m)
+        wparts = _parts(macs, max(n_in, n_out)) if need_w else 1
+        dbp = np.zeros((parts, n_out))
+        g = dy2 if code == 0 else _runtime.empty((m, n_out), dtype)
+        _runtime.run_sized(_backward_parallel, _backward_parts, max(parts, wparts) > 1, parts, wparts, x2, w, dy2,
+                           k2, g, dx2, dw, dbp, code, slope, from_output, need_x, need_w)
         db = dbp.sum(axis=0)
-        if need_w:
-            np.matmul(g.T, x2, out=dw)
-        if need_x:
-            np.matmul(g, w, out=dx2)
     grads = {}
     if need_x:
         grads["x"] = _into(out, "x", dx)

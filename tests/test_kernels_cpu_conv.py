@@ -59,7 +59,10 @@ def path(request, monkeypatch):
     """Force the serial or the parallel kernels (the size thresholds pick them otherwise)."""
     parallel = request.param == "parallel"
     monkeypatch.setattr(kc, "PARALLEL_MIN_MACS", 0 if parallel else 1 << 62)
-    monkeypatch.setattr(kd, "PARALLEL_MIN_ELEMENTS", 0 if parallel else 1 << 62)
+    monkeypatch.setattr(kd, "SERIAL_MAX_MACS", -1 if parallel else 1 << 62)
+    if parallel:  # several parts even for tiny layers
+        monkeypatch.setattr(kd, "PART_MACS", 1)
+        monkeypatch.setattr(kd, "MIN_PART_ROWS", 1)
     return request.param
 
 
