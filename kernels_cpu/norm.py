@@ -41,7 +41,7 @@ from portable_nn.kernel_plans import MomentsPlan, canonical, moments_plan, momen
 
 from . import _runtime
 from ._runtime import into as _into
-from .activations import act, act_grad
+from .activations import act, act_grad, rectifier_slope
 
 _OPTS = {"cache": True, "error_model": "numpy", "nogil": True}
 # Reductions may be reassociated so LLVM vectorises them (a plain `s += v` loop is latency-bound and
@@ -122,7 +122,24 @@ def _split(arr, v):
 
 
 @njit(inline="always", **_OPTS)
+def _is_rectifier(code):
+    """relu or leaky_relu: their loops get a branch-free form of their own (see _activate)."""
+    return code == 1 or code == 7
+
+
+@njit(inline="always", **_OPTS)
 def _activate(yr, code, slope):
+    """act(y) in place.  A loop calling act() with a runtime code is neither unswitched nor
+    vectorised (the branches of every activation in it): a batch_norm + relu forward on NHWC
+    (8,56,56,64) float32 took 4.9 ms against 0.4 without the activation.  Rectifiers (relu,
+    leaky_relu) therefore get a select loop of their own, in the data's dtype."""
+    if _is_rectifier(code):
+        neg = yr.dtype.type(rectifier_slope(code, slope))
+        zero = yr.dtype.type(0.0)
+        for q in range(yr.shape[0]):
+            v = yr[q]
+            yr[q] = v if v > zero else neg * v + zero  # + 0: relu gives +0.0, as PyTorch does
+        return
     for q in range(yr.shape[0]):
         yr[q] = act(np.float64(yr[q]), code, slope)
 
@@ -227,6 +244,20 @@ def _block_sums(xr, dyr, wv, mh, ml, rr):
 
 
 @njit(**_REDUCE)
+def _block_sums_rect(xr, dyr, wv, bv, mh, ml, rr, neg):
+    """The same for a rectifier: g = dy · (1 where x̂·w + b > 0, else the negative slope)."""
+    one = xr.dtype.type(1.0)
+    a = xr.dtype.type(0.0)
+    c = xr.dtype.type(0.0)
+    for q in range(xr.shape[0]):
+        xh = ((xr[q] - mh) - ml) * rr
+        gw = dyr[q] * wv[q] * (one if xh * wv[q] + bv[q] > 0.0 else neg)
+        a += gw
+        c += gw * xh
+    return a, c
+
+
+@njit(**_REDUCE)
 def _row_sums(xr, dyr, wv, bv, m, r, code, slope):
     """Per-element parameters: (Σ g·w, Σ g·w·x̂) along the row.
 
@@ -245,6 +276,17 @@ def _row_sums(xr, dyr, wv, bv, m, r, code, slope):
         for b0 in range(0, n, SUM_BLOCK):
             b1 = min(n, b0 + SUM_BLOCK)
             a, c = _block_sums(xr[b0:b1], dyr[b0:b1], wv[b0:b1], mh, ml, rr)
+            sa += a
+            sb += c
+        return sa, sb
+    if _is_rectifier(code):
+        mh, ml = _split(xr, m)
+        rr = xr.dtype.type(r)
+        neg = xr.dtype.type(rectifier_slope(code, slope))
+        n = xr.shape[0]
+        for b0 in range(0, n, SUM_BLOCK):
+            b1 = min(n, b0 + SUM_BLOCK)
+            a, c = _block_sums_rect(xr[b0:b1], dyr[b0:b1], wv[b0:b1], bv[b0:b1], mh, ml, rr, neg)
             sa += a
             sb += c
         return sa, sb
@@ -268,6 +310,18 @@ def _row_params(xr, dyr, wv, bv, dwr, dbr, m, r, code, slope):
             dwr[q] += g * (((dt(xr[q]) - mh) - ml) * rr)
             dbr[q] += g
         return
+    if _is_rectifier(code):
+        dt = dwr.dtype.type
+        mh, ml = _split(dwr, m)
+        rr = dt(r)
+        neg = dt(rectifier_slope(code, slope))
+        one = dt(1.0)
+        for q in range(xr.shape[0]):
+            xh = ((dt(xr[q]) - mh) - ml) * rr
+            g = dt(dyr[q]) * (one if xh * wv[q] + bv[q] > 0.0 else neg)
+            dwr[q] += g * xh
+            dbr[q] += g
+        return
     for q in range(xr.shape[0]):
         g, xhat = _g_at(xr[q], dyr[q], m, r, wv[q], bv[q], code, slope)
         dwr[q] += g * xhat
@@ -284,6 +338,14 @@ def _segment_sums(xr, dyr, wj, bj, m, r, code, slope):
             g = np.float64(dyr[q])
             sa += g
             sb += g * ((np.float64(xr[q]) - m) * r)
+        return sa, sb
+    if _is_rectifier(code):
+        neg = rectifier_slope(code, slope)
+        for q in range(xr.shape[0]):
+            xh = (np.float64(xr[q]) - m) * r
+            g = np.float64(dyr[q]) * (1.0 if xh * wj + bj > 0.0 else neg)
+            sa += g
+            sb += g * xh
         return sa, sb
     for q in range(xr.shape[0]):
         g, xhat = _g_at(xr[q], dyr[q], m, r, wj, bj, code, slope)
@@ -302,6 +364,16 @@ def _dx_row(xr, dyr, dxr, wv, bv, m, r, mean_gx, mean_gxh, train, code, slope):
         for q in range(xr.shape[0]):
             dxr[q] = rr * (dyr[q] * wv[q] - c0 - ((xr[q] - mh) - ml) * rr * a)
         return
+    if _is_rectifier(code) and train:
+        mh, ml = _split(xr, m)
+        dt = xr.dtype.type
+        rr, a, c0 = dt(r), dt(mean_gxh), dt(mean_gx)
+        neg, one = dt(rectifier_slope(code, slope)), dt(1.0)
+        for q in range(xr.shape[0]):
+            xh = ((xr[q] - mh) - ml) * rr
+            g = dyr[q] * (one if xh * wv[q] + bv[q] > 0.0 else neg)
+            dxr[q] = rr * (g * wv[q] - c0 - xh * a)
+        return
     for q in range(xr.shape[0]):
         g, xhat = _g_at(xr[q], dyr[q], m, r, wv[q], bv[q], code, slope)
         if train:
@@ -319,6 +391,17 @@ def _dx_segment(xr, dyr, dxr, wj, bj, m, r, mean_gx, mean_gxh, train, code, slop
         a, bx, c0 = dt(r * wj), dt(r * r * mean_gxh), dt(r * mean_gx)
         for q in range(xr.shape[0]):
             dxr[q] = a * dyr[q] - bx * ((xr[q] - mh) - ml) - c0
+        return
+    if _is_rectifier(code) and train:
+        mh, ml = _split(xr, m)
+        dt = xr.dtype.type
+        a, bx, c0 = dt(r * wj), dt(r * r * mean_gxh), dt(r * mean_gx)
+        zs, zb = dt(r * wj), dt(bj)  # the pre-activation x̂·w + b = (x − m)·r·w + b
+        neg, one = dt(rectifier_slope(code, slope)), dt(1.0)
+        for q in range(xr.shape[0]):
+            d = (xr[q] - mh) - ml
+            g = dyr[q] * (one if d * zs + zb > 0.0 else neg)
+            dxr[q] = a * g - bx * d - c0
         return
     for q in range(xr.shape[0]):
         g, xhat = _g_at(xr[q], dyr[q], m, r, wj, bj, code, slope)
@@ -471,6 +554,13 @@ def _col_grad_task(t, x3, dy3, m, r, w, b, ga, gb, rows, code, slope):
                 g = np.float64(dyr[j])
                 a[j] += g
                 bb[j] += g * ((np.float64(xr[j]) - mi[j]) * ri[j])
+        elif _is_rectifier(code):
+            neg = rectifier_slope(code, slope)
+            for j in range(xr.shape[0]):
+                xh = (np.float64(xr[j]) - mi[j]) * ri[j]
+                g = np.float64(dyr[j]) * (1.0 if xh * w[j] + b[j] > 0.0 else neg)
+                a[j] += g
+                bb[j] += g * xh
         else:
             for j in range(xr.shape[0]):
                 g, xhat = _g_at(xr[j], dyr[j], mi[j], ri[j], w[j], b[j], code, slope)
@@ -498,6 +588,13 @@ def _col_dx_task(t, x3, dy3, dx3, m, r, w, b, mgx, mgxh, rows, tasks, train, cod
         xr = x3[i, p]
         dyr = dy3[i, p]
         dxr = dx3[i, p]
+        if _is_rectifier(code) and train:
+            neg = rectifier_slope(code, slope)
+            for j in range(xr.shape[0]):
+                xh = (np.float64(xr[j]) - mi[j]) * ri[j]
+                g = np.float64(dyr[j]) * (1.0 if xh * w[j] + b[j] > 0.0 else neg)
+                dxr[j] = ri[j] * (g * w[j] - ai[j] - xh * ci[j])
+            continue
         for j in range(xr.shape[0]):
             g, xhat = _g_at(xr[j], dyr[j], mi[j], ri[j], w[j], b[j], code, slope)
             if train:
