@@ -616,8 +616,21 @@ def _col_dx_serial(x3, dy3, dx3, m, r, w, b, mgx, mgxh, rows, tasks, train, code
 
 
 def _column_mode(p, q, s):
-    """Column mode pays when groups are made of many short contiguous runs (see above)."""
-    return q < COLUMN_MODE_BELOW and s == 1 and p > 1
+    """Column mode pays when groups are made of many short contiguous runs (see above): channels-last
+    data, and channels-first data with small images (batch_norm on (8, 512, 2, 2): 170 us a forward
+    in row mode, one 4-element segment at a time).  Each column's parameter is its channel's: the
+    parameters are repeated ``s`` times along the columns (:func:`_per_column_params`)."""
+    return q < COLUMN_MODE_BELOW and p > 1
+
+
+def _per_column_params(a, s):
+    """Per-element parameters (element (c, q) takes a[c·Cg + q // s]) as one value per column."""
+    return a if s == 1 else np.repeat(a, s)
+
+
+def _per_param(a, s):
+    """Per-column sums folded back onto the parameters (the inverse of :func:`_per_column_params`)."""
+    return a if s == 1 else a.reshape(-1, s).sum(axis=1)
 
 
 def _column_plan(nn, p):
@@ -716,7 +729,8 @@ def norm_forward(call):
     var = np.empty((nn, c))
     act_ = call.activation
     if _column_mode(p, q, s):
-        _columns_forward(x4, w, b, y4, mean, rstd, var, train, bool(call.center), call.eps, act_.code, act_.slope)
+        _columns_forward(x4, _per_column_params(w, s), _per_column_params(b, s), y4, mean, rstd, var, train,
+                         bool(call.center), call.eps, act_.code, act_.slope)
     else:
         _run(_forward_parallel, _forward_serial, x.size,
              x4, w, b, y4, mean, rstd, var, cg, s, train, bool(call.center), call.eps, act_.code, act_.slope)
@@ -752,8 +766,9 @@ def norm_backward(residuals, cotangents, needs, out=None):
     act_ = call.activation
     train, center = bool(call.use_batch_stats), bool(call.center)
     if _column_mode(p, q, s):
-        dw, db = _columns_backward(x.reshape(nn, p, c, q), dy.reshape(nn, p, c, q), dx4, w, b, mean, rstd,
-                                   train, center, need_x, act_.code, act_.slope)
+        dw, db = _columns_backward(x.reshape(nn, p, c, q), dy.reshape(nn, p, c, q), dx4, _per_column_params(w, s),
+                                   _per_column_params(b, s), mean, rstd, train, center, need_x, act_.code, act_.slope)
+        dw, db = _per_param(dw, s), _per_param(db, s)
     else:
         chunk = max(1, -(-nn // 64))
         k = -(-nn // chunk) if nn else 1

@@ -9,6 +9,7 @@ small model to the same parameters within a relative 1e-8).
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 
@@ -193,9 +194,10 @@ def _spy_dense(record):
                         supports=ref.supports, priority=100)
 
 
-@pytest.mark.parametrize("lost", [False, True], ids=["kept", "recomputed"])
-def test_needs_input_grad_skips_unwanted_gradients(lost):
+@pytest.mark.parametrize("lost", [None, False, True], ids=["eager", "kept", "recomputed"])
+def test_needs_input_grad_skips_unwanted_gradients(lost, monkeypatch):
     """The backward kernel is asked only for the gradients autograd needs (the first layer never gets dx)."""
+    monkeypatch.setattr(adapter, "EAGER_PATH", lost is None)
     record: list[frozenset[str]] = []
     _spy_dense(record)
     try:
@@ -218,7 +220,36 @@ def test_needs_input_grad_skips_unwanted_gradients(lost):
         pnn.unregister_kernel("dense", "adapter_spy")
 
 
-def test_pullbacks_are_released():
+def test_eager_path_releases_its_pullback():
+    """In eager mode an op is a plain autograd.Function holding its pullback: freed with the graph."""
+    x, w, b = _t(3, 4), _t(4), _t(4)
+    y = pnt.layer_norm(x, w, b)
+    assert type(y.grad_fn).__name__ == "_EagerOpBackward"
+    held = weakref.ref(y.grad_fn.pnn_pullback)
+    y.sum().backward()
+    del y
+    gc.collect()
+    assert held() is None
+    base = pnt.saved_pullbacks()
+    pnt.layer_norm(x, w, b).sum().backward()
+    assert pnt.saved_pullbacks() == base  # the custom ops' table is not used
+
+
+def test_eager_and_custom_op_paths_agree(monkeypatch):
+    x, w, b = _t(2, 3, 6, 5), _t(4, 3, 3, 3), _t(4)
+    results = []
+    for eager in (True, False):
+        monkeypatch.setattr(adapter, "EAGER_PATH", eager)
+        xx, ww, bb = (t.detach().clone().requires_grad_() for t in (x, w, b))
+        y = pnt.conv(xx, ww, bb, padding=1, activation="relu")
+        grads = torch.autograd.grad((y * y).sum(), (xx, ww, bb))
+        results.append([y, *grads])
+    for a, e in zip(*results):
+        assert torch.equal(a, e)
+
+
+def test_pullbacks_are_released(monkeypatch):
+    monkeypatch.setattr(adapter, "EAGER_PATH", False)  # the custom ops' table of kept pullbacks
     gc.collect()
     base = pnt.saved_pullbacks()
     x, w, b = _t(3, 4), _t(4), _t(4)
