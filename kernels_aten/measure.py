@@ -3,7 +3,7 @@
 For each workload, forward + backward (``pnn.vjp`` and its pullback, every gradient) on CPU
 torch tensors, float32, 2 threads, with the ``aten`` and the ``numba`` backend forced in turn,
 interleaved round-robin in one process (``portable_nn.bench.time_interleaved``: medians of
-bursts of back-to-back calls), in the process configuration of ``python -m portable_nn bench``.
+bursts of back-to-back calls), in the user's environment (``bench``'s default: no tuning variables).
 Prints milliseconds per fwd+bwd and the ratio for each of ``--runs`` runs (3) and the best of
 them; ``kernels_aten/__init__.py`` records the result next to each priority.  Not imported by
 the package: it needs torch and numba, and it is slow.
@@ -145,12 +145,13 @@ def _table(results: list[tuple[str, dict[str, float]]], first: str, second: str)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Re-execute once in the benchmark's process configuration, then measure and print."""
-    from portable_nn.bench import _PROCESS_ENV
+    """Re-execute once in the user's environment (the benchmark's default: no tuning variables), then
+    measure and print."""
+    from portable_nn.bench.environment import user_environment
 
     argv = sys.argv[1:] if argv is None else argv
     if os.environ.get(_MARK) != "1":
-        env = {**os.environ, **_PROCESS_ENV, _MARK: "1"}
+        env = {**user_environment(), _MARK: "1"}
         return subprocess.call([sys.executable, "-m", "kernels_aten.measure", *argv], env=env)
     import torch
 
