@@ -43,7 +43,9 @@ one large image still splits into parallel tasks.  Backward chunks are whole ima
                                                       the same element)
 
 Layers with many channels per group and large images run as shifted products instead
-(:mod:`kernels_cpu._conv_shifted`, which needs no column buffer at all); see its ``applies``.
+(:mod:`kernels_cpu._conv_shifted`, which needs no column buffer at all), and stride-1 layers with
+very few input channels per group (LeNet's first) as direct loops (:mod:`kernels_cpu._conv_direct`);
+see their ``applies``.
 
 Chunking depends on the shape only and partial sums are reduced in chunk order, so results
 are bitwise identical for any thread count (serial and parallel paths included).  Limits:
@@ -60,7 +62,7 @@ from numba import njit, prange
 
 from portable_nn.reference.activations import keeps_output_only
 
-from . import _conv_shifted, _runtime
+from . import _conv_direct, _conv_shifted, _runtime
 from ._runtime import into as _into
 from .activations import apply_kind, deriv_kind, rectifier_slope
 
@@ -440,20 +442,23 @@ _PLANS: dict = {}
 _PLANS_KEPT = 64
 
 
-def _plan(call, weight_shape, shifted=False):
-    """The call's plan (im2col, or shifted products), cached by geometry: building one costs ~0.1 ms,
-    which small layers notice."""
+_PLAN_KINDS = {"im2col": None, "shifted": _conv_shifted.ShiftedPlan, "direct": _conv_direct.DirectPlan}
+
+
+def _plan(call, weight_shape, kind="im2col"):
+    """The call's plan (im2col, shifted products or direct loops), cached by geometry: building one
+    costs ~0.1 ms, which small layers notice."""
     p = call.params
     key = (tuple(call.arrays["x"].shape), tuple(weight_shape), call.layout, p["batched"], p["kernel"], p["stride"],
            p["dilation"], p["pad_lo"], p["pad_hi"], p["groups"], CHUNK_ELEMENTS, BACKWARD_CHUNK_ELEMENTS, MIN_CHUNKS,
-           shifted,
+           kind,
            _conv_shifted.BLOCK_ELEMENTS, _conv_shifted.WEIGHT_TASKS, _conv_shifted.WEIGHT_BLOCK_BYTES,
            _conv_shifted.WEIGHT_PARTIAL_BYTES)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= _PLANS_KEPT:
             _PLANS.clear()
-        plan = _PLANS[key] = (_conv_shifted.ShiftedPlan if shifted else _Plan)(call, weight_shape)
+        plan = _PLANS[key] = (_PLAN_KINDS[kind] or _Plan)(call, weight_shape)
     return plan
 
 
@@ -498,8 +503,11 @@ def conv_forward(call):
     Layers with many channels per group run as shifted products instead (:mod:`._conv_shifted`).
     """
     x, weight = call.x, call.weight
+    if _conv_direct.applies(call, weight.shape):
+        plan = _plan(call, weight.shape, "direct")
+        return _conv_direct.conv_forward(call, plan, plan.macs >= PARALLEL_MIN_MACS)
     if _conv_shifted.applies(call, weight.shape):
-        plan = _plan(call, weight.shape, shifted=True)
+        plan = _plan(call, weight.shape, "shifted")
         return _conv_shifted.conv_forward(call, plan, plan.macs >= PARALLEL_MIN_MACS)
     plan = _plan(call, weight.shape)
     dtype = x.dtype
@@ -527,6 +535,8 @@ def conv_backward(residuals, cotangents, needs, out=None):
     """dx, dweight, dbias from one pass per image chunk (see the module docstring)."""
     if isinstance(residuals, _conv_shifted.Residuals):
         return _conv_shifted.conv_backward(residuals, cotangents, needs, out)
+    if isinstance(residuals, _conv_direct.Residuals):
+        return _conv_direct.conv_backward(residuals, cotangents, needs, out)
     xp, w3, kept, plan, call = residuals
     out = out or {}
     dtype = xp.dtype

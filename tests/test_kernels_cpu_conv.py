@@ -16,6 +16,7 @@ from pnn_testing import rel_err
 pytest.importorskip("numba")
 pytestmark = pytest.mark.skipif(not pnn.available_backends()["numba"], reason="numba not installed")
 
+from kernels_cpu import _conv_direct as kdirect  # noqa: E402
 from kernels_cpu import _conv_shifted as ks  # noqa: E402
 from kernels_cpu import conv as kc  # noqa: E402  (imports numba)
 from kernels_cpu import dense as kd  # noqa: E402
@@ -66,12 +67,14 @@ def path(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=["im2col", "shifted"])
+@pytest.fixture(params=["im2col", "shifted", "direct"])
 def method(request, monkeypatch):
-    """The im2col kernels (few channels per group) or the shifted products (many), whatever the geometry."""
+    """The im2col kernels, the shifted products or the direct loops (stride 1, channels first; other
+    calls fall through to im2col), whatever the geometry."""
     monkeypatch.setattr(kc, "_PLANS", {})  # plans are cached by geometry
     monkeypatch.setattr(ks, "SHIFTED_MIN_CHANNELS", 1 if request.param == "shifted" else 1 << 30)
     monkeypatch.setattr(ks, "SHIFTED_MAX_DROPPED", 1.0)
+    monkeypatch.setattr(kdirect, "DIRECT_MAX_WIDTH", 1 << 30 if request.param == "direct" else 0)
     return request.param
 
 
@@ -202,6 +205,21 @@ def test_conv_residuals_are_modest(act, kept):
         assert kept_array is y
     else:
         assert kept_array.shape == y.shape and not np.shares_memory(kept_array, y)
+
+
+def test_conv_lenet_first_layer_takes_the_direct_loops():
+    """One input channel, stride 1, channels first: the direct path by default, float32 accurate."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 1, 28, 28)).astype(np.float32)
+    w = (rng.standard_normal((6, 1, 5, 5)) / 5).astype(np.float32)
+    b = rng.standard_normal(6).astype(np.float32)
+    call = _prepared(x, w, b, {"activation": "relu"}).replace(save=True)
+    assert kdirect.applies(call, w.shape)
+    assert isinstance(kc.conv_forward(call)[1], kdirect.Residuals)
+    got = _run(pnn.conv, (x, w, b), {"activation": "relu"}, "numba")
+    expected = _run(pnn.conv, [a.astype(np.float64) for a in (x, w, b)], {"activation": "relu"}, "reference")
+    for name, a, e in zip(("y", "dx", "dweight", "dbias"), got, expected):
+        assert rel_err(a, e) <= 1e-5, f"{name}: {rel_err(a, e):.2e}"
 
 
 @pytest.mark.parametrize("act, kept", [("identity", None), ("relu", "y"), ("gelu", "z")])
