@@ -31,6 +31,7 @@ from numba import njit, prange
 from portable_nn.reference.activations import keeps_output_only
 
 from . import _runtime
+from ._conv_common import Outputs, cotangent
 from ._runtime import into as _into
 from .activations import apply_kind, deriv_kind, rectifier_slope
 
@@ -246,34 +247,22 @@ class Residuals:
         self.xp, self.w3, self.kept, self.plan, self.call, self.parallel = xp, w3, kept, plan, call, parallel
 
 
-def _padded(x, plan):
-    if not plan.padded:
-        return x.reshape(plan.padded_shape)
-    xp = np.zeros(plan.padded_shape, x.dtype)
-    xp[plan.interior] = x.reshape(xp[plan.interior].shape)
-    return xp
-
-
-def conv_forward(call, plan, parallel):
-    """y = act(conv(x, weight) + bias) by direct loops; residuals: :class:`Residuals` (when saving)."""
-    x, weight = call.x, call.weight
-    dtype = x.dtype
-    xp = _padded(x, plan)
+def conv_forward(call, plan, parallel, xp):
+    """y = act(conv(x, weight) + bias) by direct loops on the padded input ``xp``; residuals:
+    :class:`Residuals` (when saving)."""
+    weight = call.weight
+    dtype = xp.dtype
     xf = xp.reshape(plan.n, xp.shape[1], -1)
     w3 = np.ascontiguousarray(weight.reshape(plan.o, plan.cg, plan.taps))
     b = np.zeros(plan.o, dtype) if call.bias is None else call.bias
     act_ = call.activation
-    from_output = keeps_output_only(act_)
-    keep_z = bool(call.save) and not from_output
-    y = _runtime.empty(plan.out_shape, dtype)
-    z = _runtime.empty(plan.out_shape, dtype) if keep_z else y
-    _runtime.run_sized(_forward_parallel, _forward_serial, parallel, xf, w3, b, y.reshape(plan.y5),
-                       z.reshape(plan.y5), plan.geo, plan.tap_off, keep_z, act_.code, act_.slope)
+    out = Outputs(call, plan.out_shape, dtype)
+    _runtime.run_sized(_forward_parallel, _forward_serial, parallel, xf, w3, b, out.y.reshape(plan.y5),
+                       out.z.reshape(plan.y5), plan.geo, plan.tap_off, out.keep_z, act_.code, act_.slope)
     residuals = None
     if call.save:
-        kept = None if act_.is_identity else (y if from_output else z)
-        residuals = Residuals(xp, w3, kept, plan, call.replace(arrays={}), parallel)
-    return (y,), residuals
+        residuals = Residuals(xp, w3, out.kept(), plan, call.replace(arrays={}), parallel)
+    return (out.y,), residuals
 
 
 def conv_backward(residuals: Residuals, cotangents, needs, out=None):
@@ -281,9 +270,7 @@ def conv_backward(residuals: Residuals, cotangents, needs, out=None):
     xp, w3, kept, plan, call = residuals.xp, residuals.w3, residuals.kept, residuals.plan, residuals.call
     out = out or {}
     dtype = xp.dtype
-    dy5 = np.ascontiguousarray(cotangents[0], dtype=dtype).reshape(plan.y5)
-    if not dy5.flags.writeable:  # one compiled kernel, typed for writable arrays
-        dy5 = dy5.copy()
+    dy5 = cotangent(cotangents, dtype, plan.y5)
     k5 = dy5 if kept is None else kept.reshape(plan.y5)
     act_ = call.activation
     need_x, need_w = "x" in needs, "weight" in needs

@@ -48,6 +48,7 @@ from portable_nn.reference.activations import keeps_output_only
 
 from . import _runtime
 from ._blas import gemm
+from ._conv_common import Outputs, cotangent
 from ._runtime import into as _into
 from .activations import apply_kind, deriv_kind, rectifier_slope
 
@@ -467,21 +468,17 @@ def conv_forward(call, plan, parallel):
     wk = _tap_weights(weight, plan)
     b = np.zeros(plan.o, dtype) if call.bias is None else call.bias
     act_ = call.activation
-    from_output = keeps_output_only(act_)
-    keep_z = bool(call.save) and not from_output
-    y = _runtime.empty(plan.out_shape, dtype)
-    z = _runtime.empty(plan.out_shape, dtype) if keep_z else y
-    y5, z5 = y.reshape(plan.y5), z.reshape(plan.y5)
+    out = Outputs(call, plan.out_shape, dtype)
+    y5, z5 = out.y.reshape(plan.y5), out.z.reshape(plan.y5)
     none1, none5 = np.empty(0, dtype), np.empty((0, 0, 0, 0, 0), dtype)
     dbp = np.empty((0, 0))
     _stage(plan, parallel, _BUILD, plan.n, x5, xs, wk, b, y5, z5, none1, none1, none1, dbp)
     _stage(plan, parallel, _FORWARD, int(geo[BLOCKS_]), none5, xs, wk.reshape(-1), b, y5, z5, none1, none1,
-           none1, dbp, act_.code, act_.slope, keep_z)
+           none1, dbp, act_.code, act_.slope, out.keep_z)
     residuals = None
     if call.save:
-        kept = None if act_.is_identity else (y if from_output else z)
-        residuals = Residuals(xs, wk, kept, plan, call.replace(arrays={}), parallel)
-    return (y,), residuals
+        residuals = Residuals(xs, wk, out.kept(), plan, call.replace(arrays={}), parallel)
+    return (out.y,), residuals
 
 
 def conv_backward(residuals: Residuals, cotangents, needs, out=None):
@@ -491,9 +488,7 @@ def conv_backward(residuals: Residuals, cotangents, needs, out=None):
     dtype = xs.dtype
     geo = plan.geo
     parallel = residuals.parallel
-    dy5 = np.ascontiguousarray(cotangents[0], dtype=dtype).reshape(plan.y5)
-    if not dy5.flags.writeable:  # one compiled kernel serves every stage and is typed for writable arrays
-        dy5 = dy5.copy()
+    dy5 = cotangent(cotangents, dtype, plan.y5)
     k5 = dy5 if kept is None else kept.reshape(plan.y5)
     act_ = call.activation
     need_x, need_w = "x" in needs, "weight" in needs

@@ -63,6 +63,7 @@ from numba import njit, prange
 from portable_nn.reference.activations import keeps_output_only
 
 from . import _conv_direct, _conv_shifted, _runtime
+from ._conv_common import Outputs, cotangent, padded_input
 from ._runtime import into as _into
 from .activations import apply_kind, deriv_kind, rectifier_slope
 
@@ -488,15 +489,6 @@ def _run(plan, *args):
     _runtime.run_sized(_parallel, _serial, plan.macs >= PARALLEL_MIN_MACS, *args)
 
 
-def _padded_input(x, plan):
-    """x zero-padded to plan.padded_shape (x itself, reshaped, when there is no padding)."""
-    if not plan.padded:
-        return x.reshape(plan.padded_shape)
-    xp = np.zeros(plan.padded_shape, x.dtype)
-    xp[plan.interior] = x.reshape(xp[plan.interior].shape)
-    return xp
-
-
 def conv_forward(call):
     """y = act(conv(x, weight) + bias); residuals (padded x, weight matrix, kept y or z, plan, call).
 
@@ -505,29 +497,26 @@ def conv_forward(call):
     x, weight = call.x, call.weight
     if _conv_direct.applies(call, weight.shape):
         plan = _plan(call, weight.shape, "direct")
-        return _conv_direct.conv_forward(call, plan, plan.macs >= PARALLEL_MIN_MACS)
+        return _conv_direct.conv_forward(call, plan, plan.macs >= PARALLEL_MIN_MACS, padded_input(x, plan))
     if _conv_shifted.applies(call, weight.shape):
         plan = _plan(call, weight.shape, "shifted")
         return _conv_shifted.conv_forward(call, plan, plan.macs >= PARALLEL_MIN_MACS)
     plan = _plan(call, weight.shape)
     dtype = x.dtype
-    xp = _padded_input(x, plan)
+    xp = padded_input(x, plan)
     w3 = _weight_matrix(weight, plan)
     b = np.zeros(plan.o, dtype) if call.bias is None else call.bias
     act_ = call.activation
-    from_output = keeps_output_only(act_)
-    keep_z = bool(call.save) and not from_output
-    y = np.empty(plan.out_shape, dtype)
-    z = np.empty(plan.out_shape, dtype) if keep_z else None
-    zf = z.reshape(-1) if keep_z else np.empty(0, dtype)
+    out = Outputs(call, plan.out_shape, dtype)
+    zf = out.z.reshape(-1) if out.keep_z else np.empty(0, dtype)
     if plan.n:
         _run(plan, False, plan.n * int(plan.lg[0] * plan.lg[1]), plan.lines, xp.reshape(-1), plan.omap, plan.lg, w3,
-             b, y.reshape(-1), zf, plan.yst, np.empty(0, dtype), np.empty((0, 0, 0, 0), dtype), np.empty((0, 0)),
-             plan.last, act_.code, act_.slope, keep_z, from_output, False, False)
+             b, out.y.reshape(-1), zf, plan.yst, np.empty(0, dtype), np.empty((0, 0, 0, 0), dtype), np.empty((0, 0)),
+             plan.last, act_.code, act_.slope, out.keep_z, out.from_output, False, False)
+    y = out.y
     residuals = None
     if call.save:
-        kept = None if act_.is_identity else (y if from_output else z)
-        residuals = (xp, w3, kept, plan, call.replace(arrays={}))
+        residuals = (xp, w3, out.kept(), plan, call.replace(arrays={}))
     return (y,), residuals
 
 
@@ -540,9 +529,7 @@ def conv_backward(residuals, cotangents, needs, out=None):
     xp, w3, kept, plan, call = residuals
     out = out or {}
     dtype = xp.dtype
-    dyf = np.ascontiguousarray(cotangents[0], dtype=dtype).reshape(-1)
-    if not dyf.flags.writeable:  # the one compiled kernel serves both directions and is typed for writable arrays
-        dyf = dyf.copy()
+    dyf = cotangent(cotangents, dtype, -1)
     kf = dyf if kept is None else kept.reshape(-1)
     act_ = call.activation
     need_x, need_w = "x" in needs, "weight" in needs
