@@ -7,9 +7,9 @@ Both ops reduce over one axis of a C-contiguous array, seen as ``(M, C, Q)``:
 
     m = max_c z_c,   ℓs = log Σ_c exp(z_c − m),   p_c = (z_c − m) − ℓs
 
-with the maximum and the sum accumulated in float64 in a fixed order (eight
-accumulators, element c in lane c mod 8, folded pairwise: deterministic, and a
-NaN anywhere in a row gives a NaN row, like the reference).  It keeps ``(m, ℓs)``
+with the maximum over eight float64 accumulators (element c in lane c mod 8, folded
+pairwise) and the row sums in blocks of the data's dtype folded into float64, both in a
+fixed order (deterministic; a NaN anywhere in a row gives a NaN row, like the reference).  It keeps ``(m, ℓs)``
 — two float64 per position — instead of the log-probabilities; the backward
 recomputes ``softmax_c = exp(p_c)`` from the input it reads anyway, so forward
 and backward each read the big array once and write at most one.
@@ -213,9 +213,10 @@ def _fold(s0, s1, s2, s3, s4, s5, s6, s7):
     return ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7))
 
 
-# Row reductions keep eight scalar accumulators, element c going to lane c mod 8: LLVM
-# holds them in two AVX2 registers (an accumulator *array* is reloaded and stored on every
-# step) and the summation order is fixed, so results are reproducible.
+# The row maximum keeps eight scalar accumulators, element c going to lane c mod 8: LLVM holds
+# them in two AVX2 registers (an accumulator *array* is reloaded and stored on every step; a flat
+# select loop was not vectorised: 4.5 vs 1.3 ms for a (4096, 1000) float32 pass) and the order is
+# fixed, so results are reproducible.  Sums go by blocks (see _row_sum).
 
 
 @njit(**_OPTS)
@@ -239,24 +240,28 @@ def _row_max(z, base, C):
     return m
 
 
+@njit(**{**_OPTS, "fastmath": {"contract", "reassoc"}})
+def _run_sum(run):
+    """Σ of a short run in its own dtype, vectorised (reassociation allowed: the compiled order is fixed)."""
+    total = run.dtype.type(0.0)
+    for i in range(run.shape[0]):
+        total += run[i]
+    return total
+
+
+#: Block length of the data-dtype partial sums of :func:`_row_sum` (folded into float64).
+SUM_BLOCK = 512
+
+
 @njit(**_OPTS)
 def _row_sum(a, base, C):
-    """Σ a[base : base + C] in float64."""
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
-    cv = C - C % 8
-    for c0 in range(0, cv, 8):
-        i = base + c0
-        s0 += a[_u(i)]
-        s1 += a[_u(i + 1)]
-        s2 += a[_u(i + 2)]
-        s3 += a[_u(i + 3)]
-        s4 += a[_u(i + 4)]
-        s5 += a[_u(i + 5)]
-        s6 += a[_u(i + 6)]
-        s7 += a[_u(i + 7)]
-    for c in range(cv, C):
-        s0 += a[_u(base + c)]
-    return _fold(s0, s1, s2, s3, s4, s5, s6, s7)
+    """Σ a[base : base + C] in float64: blocks of SUM_BLOCK summed in the data's dtype (a flat loop
+    LLVM vectorises: a float32 (4096, 1000) pass 2.1 -> 0.5 ms on one thread, Xeon AVX-512, against
+    eight float64 scalar lanes), the block sums folded into float64 in order."""
+    total = 0.0
+    for b0 in range(0, C, SUM_BLOCK):
+        total += np.float64(_run_sum(a[base + b0 : base + min(C, b0 + SUM_BLOCK)]))
+    return total
 
 
 @njit(**_OPTS)
