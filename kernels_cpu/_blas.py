@@ -26,7 +26,7 @@ from numba.extending import intrinsic
 
 from . import _runtime
 
-__all__ = ["gemm", "parallel_gemm"]
+__all__ = ["gemm", "parallel_gemm", "power_of_two", "span"]
 
 _FLOATS = (types.float32, types.float64)
 
@@ -96,13 +96,24 @@ _OPTS = {"cache": True, "error_model": "numpy", "nogil": True}
 
 
 @njit(inline="always", **_OPTS)
+def span(p, parts, size):
+    """[start, stop) of part p when ``size`` items are cut into ``parts`` equal parts (the last shorter)."""
+    step = (size + parts - 1) // parts
+    start = p * step
+    return start, min(size, start + step)
+
+
+def power_of_two(parts: int) -> int:
+    """The largest power of two <= parts: 2, 4 or 8 threads then share the parts evenly (three parts on
+    two threads take as long as two: a (128, 784) @ (784, 32) product, 78 vs 50 us)."""
+    return 1 << (parts.bit_length() - 1)
+
+
+@njit(inline="always", **_OPTS)
 def _part(p, parts, by_rows, ta, tb, m, n, kk, alpha, a, a_off, lda, b, b_off, ldb, beta, c, c_off, ldc):
     """Part p of ``parts``: the product's output rows [i0, i1) (``by_rows``; row i of op(A) starts at
     i·lda, or at i when transposed) or its output columns (column j of op(B) at j, or j·ldb)."""
-    size = m if by_rows else n
-    step = (size + parts - 1) // parts
-    i0 = p * step
-    i1 = min(size, i0 + step)
+    i0, i1 = span(p, parts, m if by_rows else n)
     if i1 <= i0:
         return
     if by_rows:
@@ -169,12 +180,6 @@ K_SPLIT_MAX_OUTPUT = 1 << 16
 K_PART = 1024
 
 
-def _power_of_two(parts: int) -> int:
-    """The largest power of two <= parts: 2, 4 or 8 threads then share the parts evenly (three parts on
-    two threads take as long as two)."""
-    return 1 << (parts.bit_length() - 1)
-
-
 def parallel_gemm(ta, tb, m, n, kk, a, a_off, lda, b, b_off, ldb, beta, c, c_off=0, ldc=None):
     """:func:`gemm` (alpha 1) from Python, split into parts that run on our threads.
 
@@ -190,7 +195,7 @@ def parallel_gemm(ta, tb, m, n, kk, a, a_off, lda, b, b_off, ldb, beta, c, c_off
         _gemm_serial(1, True, ta, tb, m, n, kk, dt(1.0), a, a_off, lda, b, b_off, ldb, dt(beta), c, c_off, ldc)
         return
     if m * n <= K_SPLIT_MAX_OUTPUT and kk >= 2 * K_PART and ldc == n:
-        parts = _power_of_two(min(MAX_PARTS * 2, -(-kk // K_PART)))
+        parts = power_of_two(min(MAX_PARTS * 2, -(-kk // K_PART)))
         step = -(-kk // parts)
         partial = np.empty((parts, m, n), c.dtype)
         _runtime.run_sized(_k_parallel, _k_serial, True, step, ta, tb, m, n, kk, dt(1.0), a, a_off, lda, b, b_off,
@@ -204,6 +209,6 @@ def parallel_gemm(ta, tb, m, n, kk, a, a_off, lda, b, b_off, ldb, beta, c, c_off
             target[...] = total
         return
     by_rows = m >= n
-    parts = _power_of_two(max(1, min(MAX_PARTS, (m if by_rows else n) // MIN_PART)))
+    parts = power_of_two(max(1, min(MAX_PARTS, (m if by_rows else n) // MIN_PART)))
     _runtime.run_sized(_gemm_parallel, _gemm_serial, parts > 1, parts, by_rows, ta, tb, m, n, kk, dt(1.0), a, a_off,
                        lda, b, b_off, ldb, dt(beta), c, c_off, ldc)

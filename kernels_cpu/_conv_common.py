@@ -1,13 +1,63 @@
 """What the three convolution paths (im2col in ``conv``, ``_conv_shifted``, ``_conv_direct``) share
-around their kernels: the outputs a forward allocates and keeps, the padded input, the cotangent."""
+around their kernels: the canonical geometry of a call, the outputs a forward allocates and keeps,
+the padded input, the cotangent."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from portable_nn.reference.activations import keeps_output_only
 
 from . import _runtime
+
+
+class Geometry:
+    """A conv call in canonical form: 1-D and 2-D calls padded on the left to three spatial axes
+    ``(D, H, W)`` (size 1, kernel 1, stride 1, dilation 1, no padding), an unbatched input a batch
+    of one.
+
+    Attributes: ``kernel``, ``stride``, ``dilation``, ``lo``, ``hi`` (padding), ``size`` (input)
+    and ``out`` (output), each three ints; ``x_shape``; ``last`` (channels last); ``n``;
+    ``channels``; ``o``, ``groups``, ``cg`` (input channels per group), ``og``; ``taps``; the
+    zero-padded input's ``padded_shape`` and the ``interior`` slice where x sits in it,
+    ``padded`` (whether any padding is there); ``out_shape`` (the output as the caller gets it);
+    ``macs``.
+    """
+
+    def __init__(self, call, weight_shape):
+        d = len(call.kernel)
+        one, zero = (1,) * (3 - d), (0,) * (3 - d)
+        self.kernel = one + tuple(call.kernel)
+        self.stride = one + tuple(call.stride)
+        self.dilation = one + tuple(call.dilation)
+        self.lo, self.hi = zero + tuple(call.pad_lo), zero + tuple(call.pad_hi)
+        self.size, self.out = one + tuple(call.in_size), one + tuple(call.out_size)
+        self.x_shape = x_shape = tuple(int(s) for s in call.x.shape)
+        self.last = last = call.layout == "channels_last"
+        self.n = n = x_shape[0] if call.batched else 1
+        self.channels = channels = x_shape[-1] if last else x_shape[1 if call.batched else 0]
+        self.o = o = int(weight_shape[0])
+        self.groups = int(call.groups)
+        self.cg = cg = int(weight_shape[1])
+        self.og = o // self.groups
+        self.taps = math.prod(self.kernel)
+        padded = tuple(s + a + b for s, a, b in zip(self.size, self.lo, self.hi))
+        self.padded = any(self.lo) or any(self.hi)
+        self.padded_shape = (n, *padded, channels) if last else (n, channels, *padded)
+        inner = tuple(slice(a, a + s) for a, s in zip(self.lo, self.size))
+        self.interior = (slice(None), *inner, slice(None)) if last else (slice(None), slice(None), *inner)
+        spatial = tuple(call.out_size)
+        shape = (*spatial, o) if last else (o, *spatial)
+        self.out_shape = (n, *shape) if call.batched else shape
+        self.macs = n * math.prod(self.out) * o * cg * self.taps
+
+    def tap_reach(self):
+        """(K, 3): how far each tap (row-major over the kernel, the weight's order) reaches along
+        (D, H, W) of the padded input: tap index times dilation."""
+        grid = np.stack(np.meshgrid(*(np.arange(k) for k in self.kernel), indexing="ij"), -1).reshape(-1, 3)
+        return grid * np.array(self.dilation)
 
 
 class Outputs:

@@ -31,9 +31,10 @@ from numba import njit, prange
 from portable_nn.reference.activations import keeps_output_only
 
 from . import _runtime
-from ._conv_common import Outputs, cotangent
+from ._blas import span
+from ._conv_common import Geometry, Outputs, cotangent
 from ._runtime import into as _into
-from .activations import apply_kind, deriv_kind, rectifier_slope
+from .activations import apply_kind, deriv_kind, is_rectifier, rectifier_slope
 
 _OPTS = {"cache": True, "error_model": "numpy", "nogil": True}
 
@@ -59,32 +60,18 @@ class DirectPlan:
     """The canonical 3-D geometry of a stride-1 call on its padded input."""
 
     def __init__(self, call, weight_shape):
-        d = len(call.kernel)
-        one, zero = (1,) * (3 - d), (0,) * (3 - d)
-        kernel, dil = one + tuple(call.kernel), one + tuple(call.dilation)
-        lo, hi = zero + tuple(call.pad_lo), zero + tuple(call.pad_hi)
-        size, out = one + tuple(call.in_size), one + tuple(call.out_size)
-        x_shape = tuple(int(s) for s in call.x.shape)
-        n = x_shape[0] if call.batched else 1
-        channels = x_shape[1 if call.batched else 0]
-        o, groups, cg = int(weight_shape[0]), int(call.groups), int(weight_shape[1])
-        padded = tuple(s + a + b for s, a, b in zip(size, lo, hi))
-        hp, wp = padded[1], padded[2]
-        grid = np.stack(np.meshgrid(*(np.arange(k) for k in kernel), indexing="ij"), -1).reshape(-1, 3)
-        reach = grid * np.array(dil)
+        g = Geometry(call, weight_shape)
+        n, o, cg, out = g.n, g.o, g.cg, g.out
+        hp, wp = g.padded_shape[3], g.padded_shape[4]
+        reach = g.tap_reach()
         self.tap_off = ((reach[:, 0] * hp + reach[:, 1]) * wp + reach[:, 2]).astype(np.int64)
         m = ((out[0] - 1) * hp + (out[1] - 1)) * wp + out[2]
-        self.geo = np.array([n, channels, groups, cg, o // groups, o, len(self.tap_off), out[0], out[1], out[2],
-                             hp, wp, m], dtype=np.int64)
-        self.n, self.o, self.cg, self.taps, self.kernel = n, o, cg, len(self.tap_off), kernel
-        self.padded_shape = (n, channels, *padded)
-        self.padded = any(lo) or any(hi)
-        self.interior = (slice(None), slice(None), *(slice(a, a + s) for a, s in zip(lo, size)))
+        self.geo = np.array([n, g.channels, g.groups, cg, g.og, o, g.taps, out[0], out[1], out[2], hp, wp, m],
+                            dtype=np.int64)
+        self.n, self.o, self.cg, self.taps, self.kernel = n, o, cg, g.taps, g.kernel
+        self.padded_shape, self.padded, self.interior = g.padded_shape, g.padded, g.interior
         self.y5 = (n, o, *out)
-        spatial = tuple(call.out_size)
-        self.out_shape = (n, o, *spatial) if call.batched else (o, *spatial)
-        self.x_shape = x_shape
-        self.macs = n * math.prod(out) * o * cg * len(self.tap_off)
+        self.out_shape, self.x_shape, self.macs = g.out_shape, g.x_shape, g.macs
 
 
 (N_, C_, G_, CG_, OG_, O_, K_, OD_, OH_, OW_, HP_, WP_, M_) = range(13)
@@ -113,7 +100,7 @@ def _write_plane(acc, y5, z5, n, o, bo, geo, keep_z, kind, code, slope):
 def _write(acc, y5, z5, n, o, bo, geo, keep_z, code, slope):
     if code == 0:
         _write_plane(acc, y5, z5, n, o, bo, geo, keep_z, 0, code, slope)
-    elif code == 1 or code == 7:
+    elif is_rectifier(code):
         _write_plane(acc, y5, z5, n, o, bo, geo, keep_z, 1, code, rectifier_slope(code, slope))
     else:
         _write_plane(acc, y5, z5, n, o, bo, geo, keep_z, 2, code, slope)
@@ -174,7 +161,7 @@ def _grad_plane(g, dy5, k5, n, o, geo, kind, code, slope, from_output):
 def _grad(g, dy5, k5, n, o, geo, code, slope, from_output):
     if code == 0:
         return _grad_plane(g, dy5, k5, n, o, geo, 0, code, slope, from_output)
-    if (code == 1 or code == 7) and from_output:
+    if is_rectifier(code) and from_output:
         return _grad_plane(g, dy5, k5, n, o, geo, 1, code, rectifier_slope(code, slope), from_output)
     return _grad_plane(g, dy5, k5, n, o, geo, 2, code, slope, from_output)
 
@@ -192,10 +179,7 @@ def _dot(a, b):
 def _backward_task(k, blocks, xf, w3, dy5, k5, dxf, dwp, dbp, geo, tap_off, code, slope, from_output, need_x,
                    need_w):
     """Images [n0, n1) of block k: their G planes, the block's partial dW and dbias, and dx of its images."""
-    images = geo[N_]
-    step = (images + blocks - 1) // blocks
-    n0 = k * step
-    n1 = min(images, n0 + step)
+    n0, n1 = span(k, blocks, geo[N_])
     cg, m, taps = geo[CG_], geo[M_], geo[K_]
     plane = xf.shape[2]
     g = np.empty(m, xf.dtype)

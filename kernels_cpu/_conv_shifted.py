@@ -48,9 +48,9 @@ from portable_nn.reference.activations import keeps_output_only
 
 from . import _runtime
 from ._blas import gemm
-from ._conv_common import Outputs, cotangent
+from ._conv_common import Geometry, Outputs, cotangent
 from ._runtime import into as _into
-from .activations import apply_kind, deriv_kind, rectifier_slope
+from .activations import apply_kind, deriv_kind, is_rectifier, rectifier_slope
 
 _OPTS = {"cache": True, "error_model": "numpy", "nogil": True}
 
@@ -76,8 +76,8 @@ WEIGHT_PARTIAL_BYTES = 1 << 26
 WEIGHT_TASKS = 16
 
 # The geometry travels to the kernels as one int64 vector; these name its entries.
-(N_, C_, G_, CG_, OG_, O_, K_, OD_, OH_, OW_, HQ_, WQ_, RQ_, M_, ROWS_, BLOCKS_, MARGIN_, NPH_, QN_, QROWS_,
- QBLOCKS_, KROWS_, KCH_, TPG_, TGRP_, SPAN_, LAST_, D_, H_, W_) = range(30)
+(N_, C_, G_, CG_, OG_, O_, K_, OD_, OH_, OW_, HQ_, WQ_, RQ_, ROWS_, BLOCKS_, MARGIN_, NPH_, QROWS_, QBLOCKS_,
+ KROWS_, KCH_, TPG_, TGRP_, SPAN_, LAST_, D_, H_, W_) = range(28)
 
 
 # --------------------------------------------------------------------------- the plan
@@ -87,24 +87,14 @@ class ShiftedPlan:
     """Everything about one call's geometry that the kernels need (cached by conv.py's plan)."""
 
     def __init__(self, call, weight_shape):
-        d = len(call.kernel)
-        one, zero = (1,) * (3 - d), (0,) * (3 - d)
-        kernel, stride, dil = one + tuple(call.kernel), one + tuple(call.stride), one + tuple(call.dilation)
-        lo, hi = zero + tuple(call.pad_lo), zero + tuple(call.pad_hi)
-        size, out = one + tuple(call.in_size), one + tuple(call.out_size)
-        x_shape = tuple(int(s) for s in call.x.shape)
-        last = call.layout == "channels_last"
-        n = x_shape[0] if call.batched else 1
-        channels = x_shape[-1] if last else x_shape[1 if call.batched else 0]
-        o, groups, cg = int(weight_shape[0]), int(call.groups), int(weight_shape[1])
-        og = o // groups
-        taps = math.prod(kernel)
-        padded = [s + a + b for s, a, b in zip(size, lo, hi)]
+        g = Geometry(call, weight_shape)
+        stride, lo, size, out = g.stride, g.lo, g.size, g.out
+        last, n, channels, o, groups, cg, og, taps = g.last, g.n, g.channels, g.o, g.groups, g.cg, g.og, g.taps
+        padded = g.padded_shape[1:-1] if last else g.padded_shape[2:]
         q = [-(-p // s) for p, s in zip(padded, stride)]  # (Dq, Hq, Wq)
         nph = stride[0] * stride[1] * stride[2]
         # Each tap's phase and row shift within the phase grid.
-        grid = np.stack(np.meshgrid(*(np.arange(k) for k in kernel), indexing="ij"), -1).reshape(-1, 3)
-        reach = grid * np.array(dil)
+        reach = g.tap_reach()
         phase3 = reach % np.array(stride)
         shift3 = reach // np.array(stride)
         self.tap_phase = ((phase3[:, 0] * stride[1] + phase3[:, 1]) * stride[2] + phase3[:, 2]).astype(np.int64)
@@ -132,21 +122,16 @@ class ShiftedPlan:
             pos_step = math.prod(q[axis + 1:])
             tabs.append((phase * phase_step + pos * pos_step).astype(np.int64))
         self.tab_d, self.tab_h, self.tab_w = tabs
-        self.geo = np.array([n, channels, groups, cg, og, o, taps, out[0], out[1], out[2], q[1], q[2], rq, m, rows,
-                             -(-span // rows), margin, nph, qn, qrows, -(-(n * rq) // qrows), krows, kch, tpg,
-                             -(-taps // tpg), span,
-                             int(last), size[0], size[1], size[2]], dtype=np.int64)
+        self.geo = np.array([n, channels, groups, cg, og, o, taps, out[0], out[1], out[2], q[1], q[2], rq, rows,
+                             -(-span // rows), margin, nph, qrows, -(-(n * rq) // qrows), krows, kch, tpg,
+                             -(-taps // tpg), span, int(last), size[0], size[1], size[2]], dtype=np.int64)
         self.xs_size = nph * n * rq * channels
         self.gx_size = (margin + n * rq) * o
         self.n, self.channels, self.groups, self.cg, self.og, self.o = n, channels, groups, cg, og, o
-        self.taps, self.kernel, self.last, self.nph, self.margin, self.rq = taps, kernel, last, nph, margin, rq
+        self.taps, self.kernel, self.last, self.nph, self.margin, self.rq = taps, g.kernel, last, nph, margin, rq
         self.x5 = (n, *size, channels) if last else (n, channels, *size)
         self.y5 = (n, *out, o) if last else (n, o, *out)
-        spatial = tuple(call.out_size)
-        shape = (*spatial, o) if last else (o, *spatial)
-        self.out_shape = (n, *shape) if call.batched else shape
-        self.x_shape = x_shape
-        self.macs = n * math.prod(out) * o * cg * taps
+        self.out_shape, self.x_shape, self.macs = g.out_shape, g.x_shape, g.macs
 
 
 def applies(call, weight_shape) -> bool:
@@ -244,7 +229,7 @@ def _epilogue_image(z, y5, bg, c0, n, base, p0, p1, og, hq, wq, oh_n, ow_n, od_n
 def _epilogue(z, y5, b, g, p0, p1, geo, code, slope):
     if code == 0:
         _epilogue_lines(z, y5, b, g, p0, p1, geo, 0, code, slope)
-    elif code == 1 or code == 7:
+    elif is_rectifier(code):
         _epilogue_lines(z, y5, b, g, p0, p1, geo, 1, code, rectifier_slope(code, slope))
     else:
         _epilogue_lines(z, y5, b, g, p0, p1, geo, 2, code, slope)
@@ -312,7 +297,7 @@ def _grad_lines(dy5, k5, gx, dbp, n, geo, kind, code, slope, from_output):
 def _grad(dy5, k5, gx, dbp, n, geo, code, slope, from_output):
     if code == 0:
         _grad_lines(dy5, k5, gx, dbp, n, geo, 0, code, slope, from_output)
-    elif (code == 1 or code == 7) and from_output:
+    elif is_rectifier(code) and from_output:
         _grad_lines(dy5, k5, gx, dbp, n, geo, 1, code, rectifier_slope(code, slope), from_output)
     else:
         _grad_lines(dy5, k5, gx, dbp, n, geo, 2, code, slope, from_output)

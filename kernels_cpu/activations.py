@@ -125,6 +125,12 @@ def deriv_kind(v, kind, code, slope, from_output):
 
 
 @njit(inline="always", **_KIND_OPTS)
+def is_rectifier(code):
+    """relu (code 1) or leaky_relu (7): the activations whose loops get a branch-free select form."""
+    return code == 1 or code == 7
+
+
+@njit(inline="always", **_KIND_OPTS)
 def rectifier_slope(code, slope):
     """The negative-side slope of relu (0) or leaky_relu."""
     return 0.0 if code == 1 else slope

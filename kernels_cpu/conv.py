@@ -63,9 +63,9 @@ from numba import njit, prange
 from portable_nn.reference.activations import keeps_output_only
 
 from . import _conv_direct, _conv_shifted, _runtime
-from ._conv_common import Outputs, cotangent, padded_input
+from ._conv_common import Geometry, Outputs, cotangent, padded_input
 from ._runtime import into as _into
-from .activations import apply_kind, deriv_kind, rectifier_slope
+from .activations import apply_kind, deriv_kind, is_rectifier, rectifier_slope
 
 LANES = 16
 _OPTS = {"cache": True, "error_model": "numpy", "nogil": True}
@@ -203,7 +203,7 @@ def _epilogue(z, b, yf, yst, lg, g, l0, l1, last, code, slope):
     Channels first writes runs along the positions (reading a column of Z, in cache)."""
     if code == 0:
         _epilogue_loops(z, b, yf, yst, lg, g, l0, l1, last, 0, code, slope)
-    elif code == 1 or code == 7:
+    elif is_rectifier(code):
         _epilogue_loops(z, b, yf, yst, lg, g, l0, l1, last, 1, code, rectifier_slope(code, slope))
     else:
         _epilogue_loops(z, b, yf, yst, lg, g, l0, l1, last, 2, code, slope)
@@ -278,7 +278,7 @@ def _grad(dyf, kf, yst, gm, dbk, n0, n1, last, code, slope, from_output):
     gm is in cache (a separate loop: stores and running sums in one loop serialise each other)."""
     if code == 0:
         _grad_values(dyf, kf, yst, gm, n0, n1, last, 0, code, slope, from_output)
-    elif (code == 1 or code == 7) and from_output:
+    elif is_rectifier(code) and from_output:
         _grad_values(dyf, kf, yst, gm, n0, n1, last, 1, code, rectifier_slope(code, slope), from_output)
     else:
         _grad_values(dyf, kf, yst, gm, n0, n1, last, 2, code, slope, from_output)
@@ -397,26 +397,15 @@ class _Plan:
     )
 
     def __init__(self, call, weight_shape):
-        d = len(call.kernel)
-        one, zero = (1,) * (3 - d), (0,) * (3 - d)
-        kernel, stride, dil = one + tuple(call.kernel), one + tuple(call.stride), one + tuple(call.dilation)
-        lo, hi = zero + tuple(call.pad_lo), zero + tuple(call.pad_hi)
-        size, out = one + tuple(call.in_size), one + tuple(call.out_size)
-        x_shape = self.x_shape = tuple(int(s) for s in call.x.shape)
-        self.last = last = call.layout == "channels_last"
-        self.n = n = x_shape[0] if call.batched else 1
-        channels = x_shape[-1] if last else x_shape[1 if call.batched else 0]
-        self.o = o = int(weight_shape[0])
-        self.groups = int(call.groups)
-        self.taps = taps = math.prod(kernel)
-        cg = int(weight_shape[1])
-        self.width = width = cg * taps
+        geo = Geometry(call, weight_shape)
+        stride, out = geo.stride, geo.out
+        self.x_shape, self.last, self.n, self.o, self.groups = geo.x_shape, geo.last, geo.n, geo.o, geo.groups
+        last, n, o, channels, cg = geo.last, geo.n, geo.o, geo.channels, geo.cg
+        self.taps = geo.taps
+        self.width = width = cg * geo.taps
         # The zero-padded input (N, C, Dp, Hp, Wp) or (N, Dp, Hp, Wp, C), and where x sits in it.
-        sp = tuple(s + a + b for s, a, b in zip(size, lo, hi))
-        self.padded = any(lo) or any(hi)
-        self.padded_shape = (n, *sp, channels) if last else (n, channels, *sp)
-        inner = tuple(slice(a, a + s) for a, s in zip(lo, size))
-        self.interior = (slice(None), *inner, slice(None)) if last else (slice(None), slice(None), *inner)
+        self.padded, self.padded_shape, self.interior = geo.padded, geo.padded_shape, geo.interior
+        sp = geo.padded_shape[1:-1] if last else geo.padded_shape[2:]
         plane = sp[0] * sp[1] * sp[2]
         if last:
             pc, pd, ph, pw = 1, sp[1] * sp[2] * channels, sp[2] * channels, channels
@@ -424,13 +413,10 @@ class _Plan:
             pc, pd, ph, pw = plane, sp[1] * sp[2], sp[2], 1
         self.lg = np.array([out[0], out[1], out[2], stride[0] * pd, stride[1] * ph, plane * channels, cg * pc],
                            dtype=np.int64)
-        self.omap = _offset_map(kernel, stride, dil, out[2], cg, last, (pc, pd, ph, pw))
+        self.omap = _offset_map(geo.tap_reach(), stride, out[2], cg, last, (pc, pd, ph, pw))
         positions = math.prod(out)
         self.yst = np.array((positions * o, 1, o) if last else (o * positions, positions, 1), dtype=np.int64)
-        out_sp = tuple(call.out_size)
-        shape = (*out_sp, o) if last else (o, *out_sp)
-        self.out_shape = (n, *shape) if call.batched else shape
-        self.macs = n * positions * o * width
+        self.out_shape, self.macs = geo.out_shape, geo.macs
         # Chunk sizes (see the module docstring): bounded im2col buffer and single-threaded BLAS products.
         line = max(1, width * out[2])  # (no channels: width 0)
         lines = n * out[0] * out[1]
@@ -463,13 +449,13 @@ def _plan(call, weight_shape, kind="im2col"):
     return plan
 
 
-def _offset_map(kernel, stride, dil, ow_n, cg, last, strides):
+def _offset_map(reach, stride, ow_n, cg, last, strides):
     """omap[ow·width + column]: offset, from a line's base, of the padded input element that
-    column (channel c, tap t) meets at output column ow.  Columns run (c, t) channels first —
-    weight's own order — and (t, c) channels last, where channels are contiguous."""
+    column (channel c, tap t) meets at output column ow (``reach``: each tap's (D, H, W) reach, see
+    ``Geometry.tap_reach``).  Columns run (c, t) channels first — weight's own order — and (t, c)
+    channels last, where channels are contiguous."""
     pc, pd, ph, pw = strides
-    td, th, tw = (a.reshape(-1) for a in np.meshgrid(*(np.arange(k) for k in kernel), indexing="ij"))
-    tap = td * dil[0] * pd + th * dil[1] * ph + tw * dil[2] * pw  # (K,)
+    tap = reach[:, 0] * pd + reach[:, 1] * ph + reach[:, 2] * pw  # (K,)
     chan = np.arange(cg) * pc
     col = (tap[:, None] + chan[None, :]) if last else (chan[:, None] + tap[None, :])
     return (np.arange(ow_n)[:, None] * (stride[2] * pw) + col.reshape(1, -1)).reshape(-1).astype(np.int64)
@@ -492,7 +478,9 @@ def _run(plan, *args):
 def conv_forward(call):
     """y = act(conv(x, weight) + bias); residuals (padded x, weight matrix, kept y or z, plan, call).
 
-    Layers with many channels per group run as shifted products instead (:mod:`._conv_shifted`).
+    Stride-1 layers with very few input channels per group run as direct loops
+    (:mod:`._conv_direct`), layers with many channels and large images as shifted products
+    (:mod:`._conv_shifted`); their residuals are their own classes.
     """
     x, weight = call.x, call.weight
     if _conv_direct.applies(call, weight.shape):

@@ -866,11 +866,6 @@ def _block_rows(code, steps, n, features, hs):
     return -(-n // blocks)
 
 
-def _run_blocks(parallel_kernel, serial_kernel, *args):
-    """The blocked time loop on our threads when more than one may run, else the same blocks serially."""
-    _runtime.run_sized(parallel_kernel, serial_kernel, True, *args)
-
-
 def _forward_one(code, x, w, lengths, reverse, save, h, c, y, col, work):
     steps, n, features = x.shape
     saved = _Saved(code, steps, n, h.shape[1], x.dtype, save)
@@ -882,8 +877,10 @@ def _forward_one(code, x, w, lengths, reverse, save, h, c, y, col, work):
     width = work.gi.shape[2]
     parallel_gemm(0, 1, steps * n, width, features, x.reshape(-1), 0, features, w.w_ih.reshape(-1), 0, features,
                   0.0, work.gi.reshape(-1))
-    _run_blocks(_forward_blocks, _forward_blocks_serial, code, w.w_a, w.w_b, w.b_i, w.b_n, w.beta, lengths, reverse,
-                save, h, c, y, col, work.gi, work.gh, saved.gates, saved.hprev, saved.cprev, saved.extra, block)
+    # On our threads when more than one may run, else the same blocks one after another.
+    _runtime.run_sized(_forward_blocks, _forward_blocks_serial, True, code, w.w_a, w.w_b, w.b_i, w.b_n, w.beta,
+                       lengths, reverse, save, h, c, y, col, work.gi, work.gh, saved.gates, saved.hprev, saved.cprev,
+                       saved.extra, block)
     return saved
 
 
@@ -942,9 +939,9 @@ def _backward_one(code, x, w, saved, lengths, reverse, dy, col, has_dy, dh, dc, 
         blocks = -(-n // block)
         acc_a = np.zeros((blocks, grads.wa))
         acc_b = np.zeros((blocks, grads.wb))
-        _run_blocks(_backward_blocks, _backward_blocks_serial, code, w.w_a, w.w_b, saved.gates, saved.hprev,
-                    saved.cprev, saved.extra, lengths, reverse, dy, col, has_dy, dh, dc, want_state, grads.da,
-                    grads.db, grads.dh2, grads.tmp, acc_a, acc_b, wanted, block)
+        _runtime.run_sized(_backward_blocks, _backward_blocks_serial, True, code, w.w_a, w.w_b, saved.gates,
+                           saved.hprev, saved.cprev, saved.extra, lengths, reverse, dy, col, has_dy, dh, dc, want_state,
+                           grads.da, grads.db, grads.dh2, grads.tmp, acc_a, acc_b, wanted, block)
         _weight_products(code, x, w, saved, grads, wanted, dw, dx, dx_add)
         acc_a, acc_b = acc_a.sum(axis=0), acc_b.sum(axis=0)  # block sums in block order
     result = [None if dw[j] is None else _into(buffers[j], dw[j]) for j in range(2)]

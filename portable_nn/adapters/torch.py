@@ -711,6 +711,15 @@ for _name, _fn, _flag in (("batch_norm", _api.batch_norm, "training"),
 _inplace_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 
 
+def _store_stats(use_batch: bool, running_mean: Tensor | None, running_var: Tensor | None, mean: Tensor,
+                 var: Tensor) -> None:
+    """The in-place update of the running statistics from the functional op's new ones (batch statistics only)."""
+    if use_batch and running_mean is not None:
+        with torch.no_grad():
+            running_mean.copy_(mean)
+            running_var.copy_(var)
+
+
 def _define_inplace(name: str, flag: str) -> None:
     args = _STATS_ARGS.format(flag=flag).replace("Tensor? running_mean", "Tensor(a!)? running_mean")
     args = args.replace("Tensor? running_var", "Tensor(b!)? running_var")
@@ -720,10 +729,7 @@ def _define_inplace(name: str, flag: str) -> None:
                 running_var: Tensor | None, use_batch: bool, *rest: Any) -> Tensor:
         functional = getattr(torch.ops.portable_nn, name)
         y, mean, var, _ = functional(x, weight, bias, running_mean, running_var, use_batch, *rest)
-        if use_batch and running_mean is not None:
-            with torch.no_grad():
-                running_mean.copy_(mean)
-                running_var.copy_(var)
+        _store_stats(use_batch, running_mean, running_var, mean, var)
         return y
 
     _inplace_lib.impl(f"{name}_", inplace, "CompositeImplicitAutograd")
@@ -1088,10 +1094,7 @@ def _with_stats(
             return getattr(torch.ops.portable_nn, f"{name}_")(*args, _wrt_mask(_OPS[name], args))
         # As the in-place op's composite implementation: the functional op, then the copy.
         y, mean, var = _call(name, *args)
-        if use_batch and running_mean is not None:
-            with torch.no_grad():
-                running_mean.copy_(mean)
-                running_var.copy_(var)
+        _store_stats(use_batch, running_mean, running_var, mean, var)
         return y
     y, mean, var = _call(name, *args)
     if not (use_batch and running_mean is not None):
