@@ -113,6 +113,38 @@ def test_parallel_and_serial_paths_agree_bitwise_and_with_the_reference(op, chan
         np.testing.assert_allclose(parallel, ref, rtol=1e-10, atol=1e-10 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "group_norm", "instance_norm"])
+@pytest.mark.parametrize("activation", ["identity", "relu", "silu"])
+@pytest.mark.parametrize("length", [7, 600], ids=["short-rows", "rows-of-several-blocks"])
+def test_pipelined_single_row_groups_match_the_two_pass_kernels(op, activation, length, monkeypatch):
+    """Large single-row groups pipeline their passes (the next group's sums during this one's writes).
+
+    Forward: the same sums in the same blocks, so bitwise equal to the two-pass kernel, serial or on
+    threads; backward: equal to rounding, and equal to itself whatever the thread count.
+    """
+    from kernels_cpu import norm
+
+    if op == "rms_norm" and activation != "identity":
+        pytest.skip("rms_norm takes no activation")
+    kwargs = {} if op == "rms_norm" else {"activation": activation}
+    x = _data((5, 4, length), np.float64) * 3 + 100.0
+    dy = _data(x.shape, np.float64, seed=1)
+    c = length if op in ("layer_norm", "rms_norm") else 4
+    w, b = _data((c,), np.float64, seed=2), _data((c,), np.float64, seed=3)
+    args = {"group_norm": (x, 2, w, b), "rms_norm": (x, w)}.get(op, (x, w, b))
+    results = {}
+    for label, pipelined, parallel in (("two-pass", 1 << 62, 0), ("serial", -1, 1 << 62), ("threads", -1, 0)):
+        monkeypatch.setattr(norm, "PIPELINE_MIN_BYTES", pipelined)
+        monkeypatch.setattr(norm, "PARALLEL_MIN_ELEMENTS", parallel)
+        with pnn.use_backend("numba"):
+            y, pullback = pnn.vjp(op, *args, **kwargs)
+            results[label] = (y, *pullback(dy))
+    assert np.array_equal(results["two-pass"][0], results["serial"][0])
+    for serial, threads, plain in zip(results["serial"], results["threads"], results["two-pass"]):
+        assert np.array_equal(serial, threads)
+        np.testing.assert_allclose(serial, plain, rtol=1e-12, atol=1e-12 * np.abs(plain).max())
+
+
 def test_concurrent_calls_from_threads_are_safe():
     x = _data((64, 32, 40))
     w, b = np.ones(32, np.float32), np.zeros(32, np.float32)
