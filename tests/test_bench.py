@@ -152,6 +152,10 @@ def test_isolated_runner_on_one_cheap_workload(monkeypatch):
         assert r.peak_growth_mib is None or r.peak_growth_mib >= 0
     if sys.platform.startswith("linux"):
         assert all(r.footprint_mib is not None for r in rows)
+    # the roofline of a memory-bound row is a copy of its own size, timed in the workers, not the probe's
+    for r in rows:
+        assert r.copy_gbps and r.copy_gbps > 0 and r.fraction_of_copy == pytest.approx(r.gbps / r.copy_gbps)
+    assert "% copy: of a copy moving the bytes" in format_report(report)
     # the workers saw the user's environment: the tuning variables removed, reported as such
     seen = report.environment["env"]
     assert "OPENBLAS_THREAD_TIMEOUT" not in seen and "MALLOC_ARENA_MAX" not in seen

@@ -67,6 +67,7 @@ class Row:
     ratio_vs_reference: float | None = None
     gbps: float | None = None
     fraction_of_copy: float | None = None
+    copy_gbps: float | None = None  # the copy bandwidth fraction_of_copy is of (user mode: same bytes)
     isa: str = "native"
     per_round_ms: list[float] = field(default_factory=list)  # user mode: each process's median
     footprint_mib: float | None = None  # user mode: RSS after warm-up minus RSS after ``import numpy``
@@ -130,9 +131,14 @@ def _threads(n: int) -> None:
         pass
 
 
-def _copy_bandwidth(quick: bool) -> float:
-    """GB/s (read + write counted) of a 64 MiB copy: the memory roofline of this run."""
-    n = (16 if quick else 64) * 2**20 // 4
+def _copy_bandwidth(quick: bool, nbytes: int | None = None) -> float:
+    """GB/s (read + write counted) of a copy of ``nbytes`` (64 MiB by default): a memory roofline.
+
+    The roofline depends on the size: on the Xeon this was written on, a copy of 16 MiB ran at
+    50 GB/s, of 64 MiB at 30-38 and of 128 MiB or more at 26 (the caches hold the smaller ones), so
+    user mode compares each memory-bound workload with a copy moving the bytes its forward moves.
+    """
+    n = max(1, (nbytes if nbytes else (16 if quick else 64) * 2**20) // 4)
     src = np.ones(n, np.float32)
     dst = np.empty_like(src)
     try:
@@ -252,6 +258,8 @@ def add_rows(report: Report, label: str, timed: Mapping[tuple[str, str], float],
     ``extra`` maps a contender to further :class:`Row` fields (per-round times, memory).
     """
     copy_gbps = copy_gbps or report.copy_gbps
+    if moved.get("fwd") and (extra or {}).get("copy"):
+        copy_gbps = statistics.median(extra["copy"].values())
     for (contender, phase), seconds in timed.items():
         nbytes = moved.get(phase, 0)
         row = Row(label, contender, phase, seconds * 1e3, nbytes, isa=isa)
@@ -264,7 +272,10 @@ def add_rows(report: Report, label: str, timed: Mapping[tuple[str, str], float],
         if nbytes and copy_gbps:
             row.gbps = nbytes / seconds / 1e9
             row.fraction_of_copy = row.gbps / copy_gbps
+            row.copy_gbps = copy_gbps
         for key, value in (extra or {}).get(contender, {}).items():
+            if key == "copy_gbps":
+                continue
             setattr(row, key, value[phase] if key == "per_round_ms" else value)
         report.rows.append(row)
 
@@ -346,6 +357,7 @@ def run_user_suite(settings: Settings) -> Report:
         moved = next(iter(combined.values()))["bytes_moved"]
         extra = {c: {"per_round_ms": {p: [1e3 * v for v in vs] for p, vs in r["per_round"].items()},
                      **r["memory"]} for c, r in combined.items()}
+        extra["copy"] = {c: r["copy_gbps"] for c, r in combined.items() if r.get("copy_gbps")}
         copy_gbps = report.environments.get(isa, {}).get("copy_gbps")
         add_rows(report, label, timed, moved, isa, copy_gbps, extra)
     bar.close()

@@ -131,5 +131,6 @@ def combine_rounds(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "per_round": per_round,
         "memory": {k: _median_or_none([r["memory"].get(k) for r in results]) for k in memory_keys},
         "bytes_moved": results[0].get("bytes_moved", {}),
+        "copy_gbps": _median_or_none([r.get("copy_gbps") for r in results]),
         "env": results[0].get("env", {}),
     }

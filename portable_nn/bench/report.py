@@ -99,6 +99,8 @@ def _table(report: Report) -> list[str]:
             f"{'verdict' if user else 'vs torch':>8s}", *([f"{'vs ref':>7s}"] if with_ref else []),
             f"{'GB/s':>7s}", f"{'% copy':>7s}", *([f"{'footprint MiB':>13s}", f"{'+peak MiB':>9s}"] if user else [])]
     lines = [" ".join(cols)]
+    if user:
+        lines.insert(0, "% copy: of a copy moving the bytes the workload's forward moves, timed in the same processes")
     shown: set[tuple[str, str, str]] = set()
     for r in rows:
         first = (r.workload, r.isa, r.contender) not in shown

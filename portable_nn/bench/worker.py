@@ -168,7 +168,7 @@ def _phases(spec: dict[str, Any]) -> tuple[dict[str, Callable[[], Any]], dict[st
 
 
 def _workload(spec: dict[str, Any], baseline: int | None) -> dict[str, Any]:
-    from . import time_interleaved
+    from . import _copy_bandwidth, time_interleaved
 
     set_threads(spec["threads"], torch_too=spec["contender"] == "torch")
     fns, moved = _phases(spec)
@@ -176,8 +176,10 @@ def _workload(spec: dict[str, Any], baseline: int | None) -> dict[str, Any]:
     before = rss_bytes()
     reset = reset_peak_rss()
     medians = time_interleaved(fns, spec["repeats"], settle_s=0.0, burst_s=spec["burst_s"])
-    return {"phases": medians, "first_call_s": first, "bytes_moved": moved,
-            "memory": _memory_probe(baseline, before, reset)}
+    memory = _memory_probe(baseline, before, reset)
+    # The memory roofline at this workload's size: a copy moving the bytes its forward moves.
+    copy = _copy_bandwidth(spec["quick"], moved["fwd"] // 2) if moved.get("fwd") else None
+    return {"phases": medians, "first_call_s": first, "bytes_moved": moved, "memory": memory, "copy_gbps": copy}
 
 
 def _mixed(spec: dict[str, Any]) -> dict[str, Any]:
