@@ -260,3 +260,23 @@ def test_mixed_devices_are_an_error():
     w = torch.ones(3, dtype=torch.float64, device="meta")
     with pytest.raises(ValueError, match="different devices.*weight on meta"):
         pnn.layer_norm(x, w)
+
+
+def test_kernel_packages_never_import_each_other():
+    """Each backend package stands alone: shared code lives in portable_nn (kernel_plans, kernel_cache)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    packages = {"kernels_cpu": "kernels_cpu", "kernels_aten": "kernels_aten",
+                "kernels_gpu/numba_cuda": "kernels_gpu.numba_cuda", "kernels_gpu/cuda_c": "kernels_gpu.cuda_c"}
+    offending = []
+    for folder, own in packages.items():
+        others = [name for name in packages.values() if name != own]
+        for path in (root / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                offending += [f"{path.relative_to(root)} imports {n}" for n in names
+                              if any(n == o or n.startswith(o + ".") for o in others)]
+    assert not offending, offending

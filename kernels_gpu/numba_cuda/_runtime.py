@@ -29,7 +29,7 @@ import numpy as np
 from numba import config as _numba_config
 from numba import cuda
 
-from kernels_cpu._runtime import drop_stale_cache
+from portable_nn.kernel_cache import drop_stale_cache
 
 #: True under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``).
 SIMULATOR = bool(_numba_config.ENABLE_CUDASIM)
