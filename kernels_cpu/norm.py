@@ -267,16 +267,8 @@ def _forward_group(x, w, b, y, mean, rstd, var, i, c, cg, s, train, center, eps,
         _store_stats(mean, rstd, var, i, c, n, shift, s1, s2, center, eps)
     m = mean[i, c]
     r = rstd[i, c]
-    base = c * cg
     for p in range(P):
-        xr = x[i, p, c]
-        yr = y[i, p, c]
-        if s == 1:
-            _write_row(xr, yr, w[base : base + Q], b[base : base + Q], m, r, code, slope)
-        else:
-            for j in range(Q // s):
-                _write_segment(xr[j * s : (j + 1) * s], yr[j * s : (j + 1) * s], w[base + j], b[base + j],
-                               m, r, code, slope)
+        _write_span(x[i, p, c], y[i, p, c], w, b, c * cg, s, 0, Q, m, r, code, slope)
 
 
 @njit(parallel=True, **_OPTS)
@@ -492,51 +484,6 @@ def _dx_segment(xr, dyr, dxr, wj, bj, m, r, mean_gx, mean_gxh, train, code, slop
 
 
 @njit(inline="always", **_OPTS)
-def _backward_group(x, dy, w, b, dx, mean, rstd, dwp, dbp, k, i, c, cg, s, train, center, need_x, code, slope):
-    """Group (i, c): partial dweight/dbias into row k, and dx when ``need_x``."""
-    P, Q = x.shape[1], x.shape[3]
-    n = P * Q
-    m = mean[i, c]
-    r = rstd[i, c]
-    base = c * cg
-    sum_gx = 0.0
-    sum_gxh = 0.0
-    for p in range(P):
-        xr = x[i, p, c]
-        dyr = dy[i, p, c]
-        if s == 1:
-            wv = w[base : base + Q]
-            bv = b[base : base + Q]
-            sa, sb = _row_sums(xr, dyr, wv, bv, m, r, code, slope)
-            _row_params(xr, dyr, wv, bv, dwp[k, base : base + Q], dbp[k, base : base + Q], m, r, code, slope)
-            sum_gx += sa
-            sum_gxh += sb
-        else:
-            for j in range(Q // s):
-                sg, sgh = _segment_sums(xr[j * s : (j + 1) * s], dyr[j * s : (j + 1) * s], w[base + j],
-                                        b[base + j], m, r, code, slope)
-                dwp[k, base + j] += sgh
-                dbp[k, base + j] += sg
-                sum_gx += sg * w[base + j]
-                sum_gxh += sgh * w[base + j]
-    if not need_x or n == 0:
-        return
-    mean_gx = sum_gx / n if center else 0.0
-    mean_gxh = sum_gxh / n
-    for p in range(P):
-        xr = x[i, p, c]
-        dyr = dy[i, p, c]
-        dxr = dx[i, p, c]
-        if s == 1:
-            _dx_row(xr, dyr, dxr, w[base : base + Q], b[base : base + Q], m, r, mean_gx, mean_gxh, train,
-                    code, slope)
-        else:
-            for j in range(Q // s):
-                _dx_segment(xr[j * s : (j + 1) * s], dyr[j * s : (j + 1) * s], dxr[j * s : (j + 1) * s],
-                            w[base + j], b[base + j], m, r, mean_gx, mean_gxh, train, code, slope)
-
-
-@njit(inline="always", **_OPTS)
 def _sum_span(xr, dyr, w, b, dwr, dbr, base, s, q0, q1, m, r, code, slope):
     """Elements [q0, q1) of one contiguous group row: (Σ g·w, Σ g·w·x̂), and their dweight/dbias
     added into the partial rows ``dwr``/``dbr`` (indexed by parameter)."""
@@ -571,6 +518,29 @@ def _dx_span(xr, dyr, dxr, w, b, base, s, q0, q1, m, r, mean_gx, mean_gxh, train
         hi = min(q1, (j + 1) * s)
         _dx_segment(xr[lo:hi], dyr[lo:hi], dxr[lo:hi], w[base + j], b[base + j], m, r, mean_gx, mean_gxh, train,
                     code, slope)
+
+
+@njit(inline="always", **_OPTS)
+def _backward_group(x, dy, w, b, dx, mean, rstd, dwp, dbp, k, i, c, cg, s, train, center, need_x, code, slope):
+    """Group (i, c): partial dweight/dbias into row k, and dx when ``need_x``."""
+    P, Q = x.shape[1], x.shape[3]
+    n = P * Q
+    m = mean[i, c]
+    r = rstd[i, c]
+    base = c * cg
+    sum_gx = 0.0
+    sum_gxh = 0.0
+    for p in range(P):
+        sa, sb = _sum_span(x[i, p, c], dy[i, p, c], w, b, dwp[k], dbp[k], base, s, 0, Q, m, r, code, slope)
+        sum_gx += sa
+        sum_gxh += sb
+    if not need_x or n == 0:
+        return
+    mean_gx = sum_gx / n if center else 0.0
+    mean_gxh = sum_gxh / n
+    for p in range(P):
+        _dx_span(x[i, p, c], dy[i, p, c], dx[i, p, c], w, b, base, s, 0, Q, m, r, mean_gx, mean_gxh, train,
+                 code, slope)
 
 
 @njit(inline="always", **_OPTS)

@@ -258,8 +258,6 @@ def add_rows(report: Report, label: str, timed: Mapping[tuple[str, str], float],
     ``extra`` maps a contender to further :class:`Row` fields (per-round times, memory).
     """
     copy_gbps = copy_gbps or report.copy_gbps
-    if moved.get("fwd") and (extra or {}).get("copy"):
-        copy_gbps = statistics.median(extra["copy"].values())
     for (contender, phase), seconds in timed.items():
         nbytes = moved.get(phase, 0)
         row = Row(label, contender, phase, seconds * 1e3, nbytes, isa=isa)
@@ -274,8 +272,6 @@ def add_rows(report: Report, label: str, timed: Mapping[tuple[str, str], float],
             row.fraction_of_copy = row.gbps / copy_gbps
             row.copy_gbps = copy_gbps
         for key, value in (extra or {}).get(contender, {}).items():
-            if key == "copy_gbps":
-                continue
             setattr(row, key, value[phase] if key == "per_round_ms" else value)
         report.rows.append(row)
 
@@ -357,8 +353,9 @@ def run_user_suite(settings: Settings) -> Report:
         moved = next(iter(combined.values()))["bytes_moved"]
         extra = {c: {"per_round_ms": {p: [1e3 * v for v in vs] for p, vs in r["per_round"].items()},
                      **r["memory"]} for c, r in combined.items()}
-        extra["copy"] = {c: r["copy_gbps"] for c, r in combined.items() if r.get("copy_gbps")}
-        copy_gbps = report.environments.get(isa, {}).get("copy_gbps")
+        # The roofline of a memory-bound row: the same-size copy its workers timed (see _copy_bandwidth).
+        same_size = [r["copy_gbps"] for r in combined.values() if r.get("copy_gbps")]
+        copy_gbps = statistics.median(same_size) if same_size else report.environments.get(isa, {}).get("copy_gbps")
         add_rows(report, label, timed, moved, isa, copy_gbps, extra)
     bar.close()
     if s.mixed:
