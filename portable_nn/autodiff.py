@@ -39,7 +39,34 @@ def _needs(prepared: Prepared, wrt: Any, op_name: str) -> frozenset[str]:
     return frozenset(names) & prepared.given
 
 
-def _cotangents(prepared: Prepared, outputs: tuple[Any, ...], cotangent: Any) -> tuple[Any, ...]:
+class _OutputInfo:
+    """What a pullback checks a cotangent against: an output's library, shape, dtype and device.
+
+    The pullback keeps these, not the outputs: holding an output until the pullback is dropped
+    keeps its memory alive past the point where the caller (or autograd) released it.  Measured
+    in a torch Conv2d+BatchNorm2d+ReLU step at (16,64,28,28): the conv output lived through the
+    conv's backward, whose buffers then came from fresh heap pages (+1,500 page faults per step,
+    +2.5 ms of 13).
+    """
+
+    __slots__ = ("device", "dtype", "family", "is_numpy", "shape")
+
+    def __init__(self, y: Any) -> None:
+        self.family = _arrays.family(y)
+        self.shape = tuple(y.shape)
+        self.dtype = y.dtype
+        self.is_numpy = isinstance(y, np.ndarray)
+        self.device = None if self.is_numpy else getattr(y, "device", None)
+
+    def zeros(self, xp: Any) -> Any:
+        if self.is_numpy:  # NumPy's own zeros: the wrapper namespace is imported lazily (see _arrays)
+            return np.zeros(self.shape, self.dtype)
+        if self.device is None:
+            return xp.zeros(self.shape, dtype=self.dtype)
+        return xp.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+
+def _cotangents(prepared: Prepared, outputs: tuple[_OutputInfo, ...], cotangent: Any) -> tuple[Any, ...]:
     """One cotangent array per differentiable output, ``None`` replaced by zeros."""
     if prepared.flatten_cotangent is not None:
         cotangent = prepared.flatten_cotangent(cotangent)
@@ -62,18 +89,18 @@ def _cotangents(prepared: Prepared, outputs: tuple[Any, ...], cotangent: Any) ->
     result = []
     for i, (ct, y) in enumerate(zip(given, outputs)):
         label = "cotangent" if n == 1 else f"cotangent[{i}]"
-        if ct is None:  # NumPy's own zeros_like: the wrapper namespace is imported lazily (see _arrays)
-            result.append(np.zeros_like(y) if isinstance(y, np.ndarray) else xp.zeros_like(y))
+        if ct is None:
+            result.append(y.zeros(xp))
             continue
         if not _arrays.is_array(ct):
             raise TypeError(f"{label} must be an array like the output, got {type(ct).__name__}")
-        if _arrays.family(ct) != _arrays.family(y):
+        if _arrays.family(ct) != y.family:
             raise TypeError(
                 f"{label} is {_arrays.describe_family(_arrays.family(ct))} but the output is "
-                f"{_arrays.describe_family(_arrays.family(y))}"
+                f"{_arrays.describe_family(y.family)}"
             )
-        if tuple(ct.shape) != tuple(y.shape):
-            raise ValueError(f"{label} must have the output's shape {tuple(y.shape)}, got {tuple(ct.shape)}")
+        if tuple(ct.shape) != y.shape:
+            raise ValueError(f"{label} must have the output's shape {y.shape}, got {tuple(ct.shape)}")
         if ct.dtype != y.dtype:
             raise TypeError(
                 f"{label} has dtype {_arrays.dtype_name(xp, ct.dtype)} but the output has "
@@ -187,8 +214,10 @@ def vjp(op: Any, *args: Any, wrt: str | Iterable[str] | None = None, **kwargs: A
     prepared = spec.prepare(*args, **kwargs)
     needs = _needs(prepared, wrt, spec.name)
     executed = dispatch.run(prepared.call, need_backward=True, needs=needs)
-    result = prepared.finish(executed.outputs)
-    diff_outputs = executed.outputs[: prepared.n_diff_outputs]
+    outputs = executed.take_outputs()  # the pullback keeps the backward, not the outputs (see _OutputInfo)
+    result = prepared.finish(outputs)
+    diff_outputs = tuple(_OutputInfo(y) for y in outputs[: prepared.n_diff_outputs])
+    del outputs
     cls = grads_type(spec.name, prepared.grad_fields)
 
     def pullback(cotangent: Any, *, out: Any = None) -> Any:

@@ -971,6 +971,12 @@ class Executed:
     bridge: Bridge
     family: str
 
+    def take_outputs(self) -> tuple[Any, ...]:
+        """The outputs, forgotten here: a backward kept for later then does not keep them alive
+        (their memory goes when the caller drops them, as a framework's own op would let it)."""
+        outputs, self.outputs = self.outputs, ()
+        return outputs
+
     def backward(self, cotangents: tuple[Any, ...], needs: frozenset[str], out: Mapping[str, Any]) -> dict:
         fn = self.impl.backward_fn()
         if fn is None:  # pragma: no cover - select() rules this out for vjp

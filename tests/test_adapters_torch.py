@@ -9,7 +9,6 @@ small model to the same parameters within a relative 1e-8).
 from __future__ import annotations
 
 import gc
-import weakref
 
 import pytest
 
@@ -220,19 +219,37 @@ def test_needs_input_grad_skips_unwanted_gradients(lost, monkeypatch):
         pnn.unregister_kernel("dense", "adapter_spy")
 
 
-def test_eager_path_releases_its_pullback():
-    """In eager mode an op is a plain autograd.Function holding its pullback: freed with the graph."""
+def test_eager_path_releases_its_pullback_with_the_saved_tensors():
+    """In eager mode an op is a plain autograd.Function whose pullback autograd frees as it frees
+    saved tensors: right after the node's backward (the graph may live on), kept under
+    retain_graph=True, and with the graph when no backward runs."""
+    gc.collect()
+    base = pnt.saved_pullbacks()
     x, w, b = _t(3, 4), _t(4), _t(4)
     y = pnt.layer_norm(x, w, b)
     assert type(y.grad_fn).__name__ == "_EagerOpBackward"
-    held = weakref.ref(y.grad_fn.pnn_pullback)
+    assert pnt.saved_pullbacks() == base + 1
     y.sum().backward()
+    assert pnt.saved_pullbacks() == base  # y and its graph are still alive
+    first = x.grad.clone()
+    x.grad = None
+    y = pnt.layer_norm(x, w, b)
+    y.sum().backward(retain_graph=True)
+    assert pnt.saved_pullbacks() == base + 1
+    assert torch.equal(x.grad, first)
+    y.sum().backward()
+    assert torch.equal(x.grad, 2 * first)
+    assert pnt.saved_pullbacks() == base
+    with pytest.raises(RuntimeError, match="second time"):
+        y.sum().backward()
+    y = pnt.layer_norm(x, w, b)
+    assert pnt.saved_pullbacks() == base + 1
     del y
     gc.collect()
-    assert held() is None
-    base = pnt.saved_pullbacks()
-    pnt.layer_norm(x, w, b).sum().backward()
-    assert pnt.saved_pullbacks() == base  # the custom ops' table is not used
+    assert pnt.saved_pullbacks() == base
+    with torch.no_grad():
+        pnt.layer_norm(x, w, b)
+    assert pnt.saved_pullbacks() == base
 
 
 def test_eager_and_custom_op_paths_agree(monkeypatch):

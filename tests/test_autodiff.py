@@ -65,6 +65,37 @@ def test_none_cotangent_is_zero(args):
     np.testing.assert_allclose(only_mean, np.full_like(x, 1 / 7))
 
 
+@pytest.mark.parametrize("library", ["numpy", "torch", "array_api_strict"])
+def test_none_cotangent_is_zeros_of_the_outputs_library(args, library):
+    x, _w, _b = args
+    if library == "torch":
+        torch = pytest.importorskip("torch")
+        x = torch.from_numpy(x)
+    elif library == "array_api_strict":
+        xp = pytest.importorskip("array_api_strict")
+        x = xp.asarray(x)
+    _, pullback = pnn.vjp(pnn.moments, x, 1)
+    grads = pullback((None, None))
+    assert type(grads.x) is type(x)
+    assert grads.x.shape == x.shape and not np.any(np.asarray(grads.x))
+
+
+def test_pullback_keeps_no_output_alive(args):
+    """The pullback holds what the backward needs, not the outputs: a caller (or autograd) that drops
+    an output frees its memory at once, as a framework's own op would."""
+    import gc
+    import weakref
+
+    x, w, b = args
+    y, pullback = pnn.vjp(pnn.layer_norm, x, w, b)
+    held = weakref.ref(y)
+    dy = np.ones_like(y)
+    del y
+    gc.collect()
+    assert held() is None
+    assert pullback(dy).x.shape == x.shape
+
+
 def test_pullback_is_repeatable_and_linear(args):
     x, w, b = args
     y, pullback = pnn.vjp(pnn.layer_norm, x, w, b, activation="gelu")

@@ -518,16 +518,23 @@ class _EagerOp(torch.autograd.Function):
         want = frozenset(op.field_of[n] for n, _ in op.tensor_args if n in op.field_of and flags.get(n))
         want &= op.available(op, bound)
         pargs, pkwargs = op.to_pnn(bound, False)
-        ctx.pnn_op, ctx.pnn_want, ctx.pnn_pullback = op, want, None
+        ctx.pnn_op, ctx.pnn_want = op, want
         ctx.pnn_given = [name for name, _ in op.tensor_args if bound.get(name) is not None]
         if want:
-            result, ctx.pnn_pullback = vjp(op.fn, *pargs, wrt=tuple(f for f in op.fields if f in want), **pkwargs)
+            result, pullback = vjp(op.fn, *pargs, wrt=tuple(f for f in op.fields if f in want), **pkwargs)
+            handle = _remember(pullback, want)
         else:
             result = op.fn(*pargs, **pkwargs)
+            handle = _no_handle()
         outputs = _fresh([t.detach() for t in op.flatten(result, bound)], args)
         ctx.mark_non_differentiable(*outputs[op.n_diff:])
-        # Kept only to tie a create_graph=True gradient to the graph (see _Once), as the custom op saves them.
-        ctx.save_for_backward(*(t for t in args if isinstance(t, Tensor) and t.requires_grad))
+        # The pullback lives as long as autograd keeps the handle: torch releases saved tensors right
+        # after a node's backward (unless retain_graph), so the residuals go then, as torch.nn's do,
+        # not with the whole graph.  Measured: Conv2d+BatchNorm2d+ReLU at (16,64,28,28) kept its conv
+        # output alive through the conv backward, which then took fresh heap pages (3,100 page faults
+        # per step against torch.nn's 1,650; 15.5 vs 13.0 ms).  The inputs that require grad are kept
+        # only to tie a create_graph=True gradient to the graph (see _Once), as the custom op saves them.
+        ctx.save_for_backward(handle, *(t for t in args if isinstance(t, Tensor) and t.requires_grad))
         return tuple(outputs)
 
     @staticmethod
@@ -539,16 +546,21 @@ class _EagerOp(torch.autograd.Function):
                 # As PyTorch does for F.cross_entropy's class weights: refuse rather than return a zero gradient.
                 raise NotImplementedError(f"{op.name}: the derivative with respect to {name!r} is not implemented")
         result: list[Any] = [None] * (1 + len(op.arg_names))
-        if ctx.pnn_pullback is None:
+        if not ctx.pnn_want:
             return tuple(result)
-        computed = ctx.pnn_pullback(op.nest(list(grads[: op.n_diff])))
+        handle, *inputs = ctx.saved_tensors
+        entry = _saved.get(int(handle))
+        if entry is None:
+            raise RuntimeError(f"portable_nn: the saved state of {op.name} is gone (its backward already ran "
+                               "without retain_graph=True)")
+        computed = entry.pullback(op.nest(list(grads[: op.n_diff])))
         for name in ctx.pnn_given:
             field_name = op.field_of.get(name)
             if field_name in ctx.pnn_want and ctx.needs_input_grad[1 + position[name]]:
                 # Contiguous, as the custom op's gradients are (and as its fake implementation says).
                 grad = op.grad_of(name, field_name, computed).contiguous()
                 if torch.is_grad_enabled():  # create_graph=True: a second derivative must fail clearly
-                    grad = _Once.apply(grad, op.name, *ctx.saved_tensors)
+                    grad = _Once.apply(grad, op.name, *inputs)
                 result[1 + position[name]] = grad
         return tuple(result)
 
