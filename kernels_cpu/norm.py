@@ -628,12 +628,15 @@ def _backward_serial(x, dy, w, b, dx, mean, rstd, dwp, dbp, chunk, cg, s, train,
 
 COLUMN_MODE_BELOW = 32
 _COLUMN_TASKS = 64  # row chunks per Nn index are fixed by the shape, never by the thread count
+_COLUMN_TASK_MIN = 1 << 14
 
 
 @njit(inline="always", **_OPTS)
 def _col_sums_task(t, x3, shift, s1, s2, rows):
     i, k = t // s1.shape[1], t % s1.shape[1]
     a, b, sh = s1[i, k], s2[i, k], shift[i]
+    a[:] = 0.0
+    b[:] = 0.0
     for p in range(k * rows, min(x3.shape[1], (k + 1) * rows)):
         row = x3[i, p]
         for j in range(row.shape[0]):
@@ -684,6 +687,8 @@ def _col_grad_task(t, x3, dy3, m, r, w, b, ga, gb, rows, code, slope):
     """Partial per-column Σ g and Σ g·x̂ of task t (x̂ and g in float64)."""
     i, k = t // ga.shape[1], t % ga.shape[1]
     a, bb, mi, ri = ga[i, k], gb[i, k], m[i], r[i]
+    a[:] = 0.0
+    bb[:] = 0.0
     for p in range(k * rows, min(x3.shape[1], (k + 1) * rows)):
         xr = x3[i, p]
         dyr = dy3[i, p]
@@ -771,41 +776,140 @@ def _per_param(a, s):
     return a if s == 1 else a.reshape(-1, s).sum(axis=1)
 
 
-def _column_plan(nn, p):
-    """(row chunks per Nn index, rows per chunk): about _COLUMN_TASKS tasks in all."""
-    tasks = max(1, min(p, -(-_COLUMN_TASKS // max(nn, 1))))
+def _column_plan(nn, p, w):
+    """(row chunks per Nn index, rows per chunk): about _COLUMN_TASKS tasks in all, each of at least
+    _COLUMN_TASK_MIN elements (rows of w columns), since every task's partial sums are as long as a
+    row: at (8, 256, 4, 4) eight one-row tasks folded 64K float64 partials for 32K elements."""
+    tasks = max(1, min(p, -(-_COLUMN_TASKS // max(nn, 1)), p * w // _COLUMN_TASK_MIN))
     return tasks, max(1, -(-p // tasks))
 
 
-def _per_column(a, q):
-    """(Nn, C) per-group values as (Nn, C·Q) per-column values."""
-    return np.ascontiguousarray(np.repeat(a, q, axis=1))
+# The small steps between column mode's passes (shifts, folding partials into statistics, per-column
+# constants) are compiled too: as NumPy expressions they were ~15 calls and three zeroed float64
+# scratch arrays, 100 of the 108 us of a batch_norm forward at resnet18's (8, 256, 4, 4) (the two
+# passes: 8 us), more than PyTorch's whole forward and backward (78 us).
+
+
+@njit(**_OPTS)
+def _col_expand(a, q):
+    """(Nn, C) per-group values as (Nn, C·Q) per-column values (float64)."""
+    nn, c = a.shape
+    out = np.empty((nn, c * q))
+    for i in range(nn):
+        for ch in range(c):
+            for j in range(ch * q, (ch + 1) * q):
+                out[i, j] = a[i, ch]
+    return out
+
+
+@njit(**_OPTS)
+def _col_shift(x3, q, center):
+    """Each column's shift: its group's first element (every column of a group shares it), or 0."""
+    nn, w = x3.shape[0], x3.shape[2]
+    shift = np.zeros((nn, w))
+    if center and x3.shape[1] > 0:
+        for i in range(nn):
+            for j0 in range(0, w, q):
+                v = np.float64(x3[i, 0, j0])
+                for j in range(j0, j0 + q):
+                    shift[i, j] = v
+    return shift
+
+
+@njit(**_OPTS)
+def _col_stats(s1, s2, shift, q, n, center, eps, mean, var, rstd):
+    """Per-group mean, population variance and 1/sqrt(var + eps) from the tasks' per-column partial
+    shifted sums, folded in a fixed order (tasks, then the group's columns)."""
+    nn, tasks, w = s1.shape
+    a = np.empty(w)
+    b = np.empty(w)
+    for i in range(nn):
+        a[:] = s1[i, 0]
+        b[:] = s2[i, 0]
+        for k in range(1, tasks):
+            for j in range(w):
+                a[j] += s1[i, k, j]
+                b[j] += s2[i, k, j]
+        for ch in range(w // q):
+            sa = 0.0
+            sb = 0.0
+            for j in range(ch * q, (ch + 1) * q):
+                sa += a[j]
+                sb += b[j]
+            if center:
+                cm = sa / n
+                mean[i, ch] = shift[i, ch * q] + cm
+                var[i, ch] = max((sb - sa * cm) / n, 0.0)
+            else:
+                mean[i, ch] = 0.0
+                var[i, ch] = sb / n
+            rstd[i, ch] = 1.0 / np.sqrt(var[i, ch] + eps)
+
+
+@njit(**_OPTS)
+def _col_constants(mean, rstd, w, q, mh, ml, scale):
+    """Per-column constants of the output pass: the mean split into a data-dtype high part and the
+    rounding left over (so x − mean loses nothing to the cast), and rstd · weight."""
+    nn, c = mean.shape
+    for i in range(nn):
+        for ch in range(c):
+            m, r = mean[i, ch], rstd[i, ch]
+            for j in range(ch * q, (ch + 1) * q):
+                mh[i, j] = m
+                ml[i, j] = m - mh[i, j]
+                scale[i, j] = r * w[j]
+
+
+@njit(**_OPTS)
+def _col_grad_fold(ga, gb, w, q, n, center, need_x, mgx, mgxh):
+    """Folds the tasks' partial Σ g and Σ g·x̂ per column: returns the per-column dweight and dbias
+    (summed over Nn) and, when need_x, writes each group's mean(g·w) and mean(g·w·x̂) to its columns."""
+    nn, tasks, w_ = ga.shape
+    dw = np.zeros(w_)
+    db = np.zeros(w_)
+    sa = np.empty(w_)
+    sb = np.empty(w_)
+    for i in range(nn):
+        sa[:] = 0.0
+        sb[:] = 0.0
+        for k in range(tasks):
+            for j in range(w_):
+                sa[j] += ga[i, k, j]
+                sb[j] += gb[i, k, j]
+        for j in range(w_):
+            dw[j] += sb[j]
+            db[j] += sa[j]
+        if need_x:
+            for j0 in range(0, w_, q):
+                a = 0.0
+                b = 0.0
+                for j in range(j0, j0 + q):
+                    a += sa[j] * w[j]
+                    b += sb[j] * w[j]
+                for j in range(j0, j0 + q):
+                    mgx[i, j] = a / n if center else 0.0
+                    mgxh[i, j] = b / n
+    return dw, db
 
 
 def _columns_forward(x4, w, b, y4, mean, rstd, var, train, center, eps, code, slope):
     nn, p, c, q = x4.shape
     x3 = x4.reshape(nn, p, c * q)
-    tasks, rows = _column_plan(nn, p)
+    tasks, rows = _column_plan(nn, p, c * q)
     if train and p * q == 0:
         mean[...] = 0.0
         var[...] = 0.0
         rstd[...] = 1.0 / np.sqrt(eps)
     elif train:
-        n = p * q
-        shift = _per_column(np.asarray(x4[:, 0, :, 0], np.float64), q) if center else np.zeros((nn, c * q))
-        s1 = np.zeros((nn, tasks, c * q))
-        s2 = np.zeros((nn, tasks, c * q))
+        shift = _col_shift(x3, q, center)
+        s1 = np.empty((nn, tasks, c * q))
+        s2 = np.empty((nn, tasks, c * q))
         _run(_col_sums_parallel, _col_sums_serial, x3.size, x3, shift, s1, s2, rows)
-        g1 = s1.sum(axis=1).reshape(nn, c, q).sum(axis=2)
-        g2 = s2.sum(axis=1).reshape(nn, c, q).sum(axis=2)
-        cm = g1 / n
-        mean[...] = shift[:, ::q] + cm if center else 0.0
-        var[...] = np.maximum((g2 - g1 * cm) / n, 0.0) if center else g2 / n
-        rstd[...] = 1.0 / np.sqrt(var + eps)
-    m_col = _per_column(mean, q)
-    mh = m_col.astype(x4.dtype)
-    ml = (m_col - mh).astype(x4.dtype)
-    scale = (_per_column(rstd, q) * w).astype(x4.dtype)
+        _col_stats(s1, s2, shift, q, float(p * q), center, eps, mean, var, rstd)
+    mh = np.empty((nn, c * q), x4.dtype)
+    ml = np.empty_like(mh)
+    scale = np.empty_like(mh)
+    _col_constants(mean, rstd, w, q, mh, ml, scale)
     _run(_col_write_parallel, _col_write_serial, x3.size,
          x3, y4.reshape(nn, p, c * q), mh, ml, scale, b, rows, tasks, code, slope)
 
@@ -814,19 +918,19 @@ def _columns_backward(x4, dy4, dx4, w, b, mean, rstd, train, center, need_x, cod
     """dx (when need_x), dweight and dbias (per column) in column mode."""
     nn, p, c, q = x4.shape
     x3, dy3 = x4.reshape(nn, p, c * q), dy4.reshape(nn, p, c * q)
-    tasks, rows = _column_plan(nn, p)
-    m_col, r_col = _per_column(mean, q), _per_column(rstd, q)
-    ga = np.zeros((nn, tasks, c * q))
-    gb = np.zeros((nn, tasks, c * q))
+    tasks, rows = _column_plan(nn, p, c * q)
+    m_col, r_col = _col_expand(mean, q), _col_expand(rstd, q)
+    ga = np.empty((nn, tasks, c * q))
+    gb = np.empty((nn, tasks, c * q))
     _run(_col_grad_parallel, _col_grad_serial, x3.size, x3, dy3, m_col, r_col, w, b, ga, gb, rows, code, slope)
-    sa, sb = ga.sum(axis=1), gb.sum(axis=1)
-    if need_x and p * q:
-        n = p * q
-        mgx = _per_column((sa * w).reshape(nn, c, q).sum(axis=2) / n, q) if center else np.zeros_like(sa)
-        mgxh = _per_column((sb * w).reshape(nn, c, q).sum(axis=2) / n, q)
+    need_dx = need_x and p * q > 0
+    mgx = np.empty((nn, c * q))
+    mgxh = np.empty((nn, c * q))
+    dw, db = _col_grad_fold(ga, gb, w, q, float(max(p * q, 1)), center, need_dx, mgx, mgxh)
+    if need_dx:
         _run(_col_dx_parallel, _col_dx_serial, x3.size, x3, dy3, dx4.reshape(nn, p, c * q), m_col, r_col, w, b,
              mgx, mgxh, rows, tasks, train, code, slope)
-    return sb.sum(axis=0), sa.sum(axis=0)
+    return dw, db
 
 
 # --------------------------------------------------------------------------- plans and entry points
