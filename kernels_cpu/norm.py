@@ -991,11 +991,27 @@ def norm_forward(call):
 
 def _updated_running(call, mean, var, n):
     """PyTorch's momentum update with the unbiased variance (batch-averaged for instance norm)."""
-    m = call.momentum
     rm, rv = call.running_mean, call.running_var
-    batch_mean = mean.mean(axis=0)
-    batch_var = (var * (n / (n - 1))).mean(axis=0)
-    return ((1.0 - m) * rm + m * batch_mean).astype(rm.dtype), ((1.0 - m) * rv + m * batch_var).astype(rv.dtype)
+    new_rm, new_rv = np.empty(rm.shape, rm.dtype), np.empty(rv.shape, rv.dtype)
+    _momentum_update(rm, rv, mean, var, float(call.momentum), n / (n - 1), new_rm, new_rv)
+    return new_rm, new_rv
+
+
+@njit(**_OPTS)
+def _momentum_update(rm, rv, mean, var, m, unbias, new_rm, new_rv):
+    """r ← (1 − m)·r + m·s per channel, s the batch mean and unbiased variance averaged over Nn.
+
+    Compiled: as six NumPy expressions it was 14 us of a 95 us batch_norm forward at (8, 512, 2, 2).
+    """
+    nn, c = mean.shape
+    for ch in range(c):
+        a = 0.0
+        v = 0.0
+        for i in range(nn):
+            a += mean[i, ch]
+            v += var[i, ch] * unbias
+        new_rm[ch] = (1.0 - m) * rm[ch] + m * (a / nn)
+        new_rv[ch] = (1.0 - m) * rv[ch] + m * (v / nn)
 
 
 def norm_backward(residuals, cotangents, needs, out=None):
