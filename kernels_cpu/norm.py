@@ -771,11 +771,6 @@ def _per_column_params(a, s):
     return a if s == 1 else np.repeat(a, s)
 
 
-def _per_param(a, s):
-    """Per-column sums folded back onto the parameters (the inverse of :func:`_per_column_params`)."""
-    return a if s == 1 else a.reshape(-1, s).sum(axis=1)
-
-
 def _column_plan(nn, p, w):
     """(row chunks per Nn index, rows per chunk): about _COLUMN_TASKS tasks in all, each of at least
     _COLUMN_TASK_MIN elements (rows of w columns), since every task's partial sums are as long as a
@@ -861,12 +856,13 @@ def _col_constants(mean, rstd, w, q, mh, ml, scale):
 
 
 @njit(**_OPTS)
-def _col_grad_fold(ga, gb, w, q, n, center, need_x, mgx, mgxh):
-    """Folds the tasks' partial Σ g and Σ g·x̂ per column: returns the per-column dweight and dbias
-    (summed over Nn) and, when need_x, writes each group's mean(g·w) and mean(g·w·x̂) to its columns."""
+def _col_grad_fold(ga, gb, w, q, s, n, center, need_x, mgx, mgxh):
+    """Folds the tasks' partial Σ g and Σ g·x̂ per column: returns dweight and dbias per parameter
+    (each the sum over Nn of its ``s`` consecutive columns) and, when need_x, writes each group's
+    mean(g·w) and mean(g·w·x̂) to its columns."""
     nn, tasks, w_ = ga.shape
-    dw = np.zeros(w_)
-    db = np.zeros(w_)
+    dw = np.zeros(w_ // s)
+    db = np.zeros(w_ // s)
     sa = np.empty(w_)
     sb = np.empty(w_)
     for i in range(nn):
@@ -877,8 +873,8 @@ def _col_grad_fold(ga, gb, w, q, n, center, need_x, mgx, mgxh):
                 sa[j] += ga[i, k, j]
                 sb[j] += gb[i, k, j]
         for j in range(w_):
-            dw[j] += sb[j]
-            db[j] += sa[j]
+            dw[j // s] += sb[j]
+            db[j // s] += sa[j]
         if need_x:
             for j0 in range(0, w_, q):
                 a = 0.0
@@ -914,8 +910,8 @@ def _columns_forward(x4, w, b, y4, mean, rstd, var, train, center, eps, code, sl
          x3, y4.reshape(nn, p, c * q), mh, ml, scale, b, rows, tasks, code, slope)
 
 
-def _columns_backward(x4, dy4, dx4, w, b, mean, rstd, train, center, need_x, code, slope):
-    """dx (when need_x), dweight and dbias (per column) in column mode."""
+def _columns_backward(x4, dy4, dx4, w, b, mean, rstd, train, center, need_x, code, slope, s):
+    """dx (when need_x), dweight and dbias (per parameter: ``s`` columns each) in column mode."""
     nn, p, c, q = x4.shape
     x3, dy3 = x4.reshape(nn, p, c * q), dy4.reshape(nn, p, c * q)
     tasks, rows = _column_plan(nn, p, c * q)
@@ -926,7 +922,7 @@ def _columns_backward(x4, dy4, dx4, w, b, mean, rstd, train, center, need_x, cod
     need_dx = need_x and p * q > 0
     mgx = np.empty((nn, c * q))
     mgxh = np.empty((nn, c * q))
-    dw, db = _col_grad_fold(ga, gb, w, q, float(max(p * q, 1)), center, need_dx, mgx, mgxh)
+    dw, db = _col_grad_fold(ga, gb, w, q, s, float(max(p * q, 1)), center, need_dx, mgx, mgxh)
     if need_dx:
         _run(_col_dx_parallel, _col_dx_serial, x3.size, x3, dy3, dx4.reshape(nn, p, c * q), m_col, r_col, w, b,
              mgx, mgxh, rows, tasks, train, code, slope)
@@ -1031,8 +1027,8 @@ def norm_backward(residuals, cotangents, needs, out=None):
     train, center = bool(call.use_batch_stats), bool(call.center)
     if _column_mode(p, q, s):
         dw, db = _columns_backward(x.reshape(nn, p, c, q), dy.reshape(nn, p, c, q), dx4, _per_column_params(w, s),
-                                   _per_column_params(b, s), mean, rstd, train, center, need_x, act_.code, act_.slope)
-        dw, db = _per_param(dw, s), _per_param(db, s)
+                                   _per_column_params(b, s), mean, rstd, train, center, need_x, act_.code, act_.slope,
+                                   s)
     else:
         chunk = max(1, -(-nn // 64))
         k = -(-nn // chunk) if nn else 1
