@@ -851,6 +851,12 @@ class _Workspace:
 #: so results do not depend on the thread count: two threads run the two 128-row blocks of an
 #: N=256 batch side by side, one thread runs them one after the other.
 BLOCK_ROWS = 128
+#: A batch smaller than two BLOCK_ROWS still splits in two blocks down to this many rows each: one
+#: block left the second core idle (2 threads, Xeon AVX-512; fwd+bwd ms, one block -> two, PyTorch):
+#: lstm 2 layers I=H=64 at T=50, N=64: 17.2 -> 9.9 (13.6); T=35, N=32: 6.4 -> 5.2 (5.4-6.1);
+#: T=35, N=16: 4.2 -> 3.6 (2.6); gru T=50, N=64: 12.3 -> 8.2 (19.6).  Not for a few steps' work
+#: (under 4 BLOCKED_MIN_MACS): an lstm_cell at N=128 measured 0.45 -> 0.47 ms split in two.
+MIN_BLOCK_ROWS = 8
 #: Multiply-adds of one direction's products below which it runs unblocked, in one compiled call
 #: (small layers: a parallel launch costs more than it saves; PERFORMANCE.md §6).  An lstm_cell at
 #: N = 256, I = H = 64 (8.4M) is above it: fwd+bwd 0.94 -> 0.88 ms blocked, 2 threads.
@@ -861,6 +867,8 @@ def _block_rows(code, steps, n, features, hs):
     """Rows per block of the blocked path, or 0 for the unblocked one (see BLOCK_ROWS)."""
     blocks = max(1, (n + BLOCK_ROWS // 2) // BLOCK_ROWS)
     macs = steps * n * _GATES[code] * hs * (features + hs)
+    if blocks < 2 and n >= 2 * MIN_BLOCK_ROWS and macs >= 4 * BLOCKED_MIN_MACS:
+        blocks = 2
     if blocks < 2 or macs < BLOCKED_MIN_MACS:
         return 0
     return -(-n // blocks)

@@ -266,6 +266,16 @@ def test_bitwise_deterministic_and_matching_the_reference(kind, kw, size, blocki
     _assert_matches(first, expected, 1e-12)
 
 
+@pytest.mark.parametrize(("n", "rows"), [(512, 128), (256, 128), (64, 32), (16, 8), (15, 0), (8, 0)])
+def test_block_rows_fill_two_threads_down_to_small_batches(n, rows):
+    """Blocks of about BLOCK_ROWS rows, but at least two (of at least MIN_BLOCK_ROWS rows) for batches
+    too small for two such blocks; layers too small for a parallel launch stay unblocked."""
+    from kernels_cpu import rnn
+
+    assert rnn._block_rows(rnn.LSTM, 50, n, 64, 64) == rows
+    assert rnn._block_rows(rnn.LSTM, 1, n, 4, 4) == 0
+
+
 @pytest.mark.parametrize(("kind", "kw"), VARIANTS, ids=VARIANT_IDS)
 def test_blocked_results_do_not_depend_on_the_thread_count(kind, kw, monkeypatch):
     """Blocks are fixed by the shape: one thread runs the same blocks as two, bit for bit."""
