@@ -50,7 +50,7 @@ from .errors import BackendUnavailableError, FallbackWarning
 from .threads import get_num_threads, set_num_threads, use_threads
 
 __version__ = "0.1.0"
-"""The version of portable_nn, a PEP 440 string kept equal to ``version`` in pyproject.toml."""
+"""The version of portable_nn (PEP 440), written here only: pyproject.toml reads it (``dynamic``)."""
 
 __all__ = [
     "ACTIVATIONS",

@@ -12,64 +12,9 @@ tests and the GPU benchmark on a CUDA machine (:mod:`portable_nn.gpu_check`);
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import os
-import platform
 import sys
-from pathlib import Path
 
-from . import __version__, dispatch
-
-_PACKAGES = ("numpy", "scipy", "array-api-compat", "numba", "llvmlite", "torch", "cupy", "jax", "array-api-strict")
-
-
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def _threading_layer() -> str:
-    """Numba's configured threading layer, without starting its thread pool."""
-    if _version("numba") == "not installed":
-        return "n/a (numba not installed)"
-    from numba.core import config as numba_config
-
-    from kernels_cpu import _runtime
-
-    from .threads import get_num_threads
-
-    return (f"{_runtime.describe()}; Numba's pool {numba_config.NUMBA_NUM_THREADS} threads, "
-            f"portable_nn uses {get_num_threads()} (pnn.set_num_threads)")
-
-
-def _cache_dir() -> str:
-    """Where Numba caches compiled kernels (NUMBA_CACHE_DIR, else next to kernels_cpu)."""
-    env = os.environ.get("NUMBA_CACHE_DIR")
-    if env:
-        return f"{env} (NUMBA_CACHE_DIR)"
-    import kernels_cpu
-
-    path = Path(kernels_cpu.__file__).parent / "__pycache__"
-    writable = os.access(path if path.exists() else path.parent, os.W_OK)
-    return f"{path} ({'writable' if writable else 'NOT writable: set NUMBA_CACHE_DIR'})"
-
-
-def info() -> str:
-    """The text of ``python -m portable_nn info``."""
-    lines = [f"portable_nn {__version__}", f"python {platform.python_version()} on {platform.platform()}", ""]
-    lines.append("packages:")
-    lines += [f"  {name:18s} {_version(name)}" for name in _PACKAGES]
-    lines += ["", "backends:"]
-    for name, status in dispatch.available_backends().items():
-        mark = "available" if status else "unavailable"
-        lines.append(f"  {name:12s} {mark:12s} {status.reason}")
-    lines += ["", f"numba threading layer: {_threading_layer()}", f"kernel cache: {_cache_dir()}", ""]
-    lines.append("capabilities (op x backend, from the kernels' declarations):")
-    lines += ["  " + line for line in dispatch.format_capabilities().splitlines()]
-    return "\n".join(lines)
-
+from .about import report
 
 #: Pure-Python dependencies an offline GPU machine may lack (its image has numpy, numba, torch, cupy).
 OFFLINE_WHEELS = ("array-api-compat>=1.9", "array-api-strict>=2.0")
@@ -136,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     wheels.add_argument("--python-version", default="3.12", help="target Python version (default: 3.12)")
     args = parser.parse_args(argv)
     if args.command == "info":
-        print(info())
+        print(report())
         return 0
     if args.command == "bench":
         from .bench import main as bench_main

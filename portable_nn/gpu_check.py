@@ -131,10 +131,10 @@ def preference_from(report: Any) -> dict[str, str]:
 def format_markdown(status: str, tests: dict[str, Any] | None, report: Any | None,
                     preference: dict[str, str] | None) -> str:
     """The whole report as Markdown."""
-    from .__main__ import _version
+    from . import __version__
 
     lines = ["# portable_nn gpu-check", "", f"{datetime.datetime.now().isoformat(timespec='minutes')} — "
-             f"portable_nn {_version('portable_nn')}; {status}", ""]
+             f"portable_nn {__version__}; {status}", ""]
     lines += ["## Backends", "", "| backend | available | why |", "|---|---|---|"]
     for name, st in dispatch.available_backends().items():
         lines.append(f"| {name} | {'yes' if st else 'no'} | {st.reason} |")

@@ -280,3 +280,26 @@ def test_kernel_packages_never_import_each_other():
                 offending += [f"{path.relative_to(root)} imports {n}" for n in names
                               if any(n == o or n.startswith(o + ".") for o in others)]
     assert not offending, offending
+
+
+def test_no_module_imports_the_command_line():
+    """``__main__`` is the command line only: what it reports lives in portable_nn.about."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    offending = []
+    for folder in ("portable_nn", "kernels_cpu", "kernels_aten", "kernels_gpu"):
+        for path in (root / folder).rglob("*.py"):
+            if path.name == "__main__.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom):
+                    names = [node.module or ""] + [a.name for a in node.names]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                else:
+                    continue
+                if any(n == "__main__" or n.endswith(".__main__") for n in names):
+                    offending.append(str(path.relative_to(root)))
+    assert not offending, offending

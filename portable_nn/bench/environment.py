@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import __version__
+from ..about import package_version as _version
 
 __all__ = [
     "ISA_SETTINGS",
@@ -133,10 +134,6 @@ def openblas_coretype() -> str:
     return str(numpy_own[0].get("architecture") or "unknown")
 
 
-def _version(dist: str) -> str:
-    from ..__main__ import _version as version
-
-    return version(dist)
 
 
 def describe_machine() -> dict[str, Any]:

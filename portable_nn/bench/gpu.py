@@ -86,7 +86,7 @@ def gpu_environment() -> dict[str, Any]:
     """Device, driver and library versions for the report."""
     import torch
 
-    from ..__main__ import _version
+    from ..about import package_version as _version
 
     props = torch.cuda.get_device_properties(0)
     return {

@@ -11,6 +11,7 @@ import numpy as np
 
 import portable_nn as pnn
 
+from ..about import package_version as _version
 from .data import HELD_OUT_FRACTION, SPLIT_SEED, Digits
 from .models import CNN, RowLSTM
 from .optim import make_optimizer
@@ -74,10 +75,6 @@ def format_header(data: Digits, cfg: TrainConfig, backend: str, auto: bool, othe
     return "\n".join(lines)
 
 
-def _version(dist: str) -> str:
-    from ..__main__ import _version as version
-
-    return version(dist)
 
 
 _HEAD = ("backend", "arrays", "model", "first step", "s/epoch", "vs ref", "epoch-1 loss", "epochs", "held-out")
