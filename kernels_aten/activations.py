@@ -3,7 +3,7 @@
 ``apply`` is act(z), in place when the caller keeps no ``z``; ``times_derivative`` is
 dy · act'(z) from what the forward kept: ``y`` for the activations whose derivative is a
 function of the output (relu, sigmoid, tanh, leaky_relu with a positive slope: see
-``portable_nn.reference.activations.keeps_output_only``), else ``z``.  Every activation
+``portable_nn.kernel_codes.keeps_output_only``), else ``z``.  Every activation
 portable_nn has exists in PyTorch (``gelu`` exact and ``gelu_tanh`` as its ``approximate``
 forms), so no activation is declined.
 """
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from portable_nn.api.activations import Activation
-from portable_nn.reference.activations import keeps_output_only
+from portable_nn.kernel_codes import keeps_output_only
 
 
 def apply(z: torch.Tensor, act: Activation, in_place: bool) -> torch.Tensor:

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from portable_nn.api.activations import Activation
-from portable_nn.reference.activations import keeps_output_only
+from portable_nn.kernel_codes import keeps_output_only
 
 from .activations import apply, times_derivative
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from portable_nn.reference.activations import keeps_output_only
+from portable_nn.kernel_codes import keeps_output_only
 
 from .activations import apply, times_derivative
 

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from portable_nn.reference.activations import keeps_output_only
+from portable_nn.kernel_codes import keeps_output_only
 
 from . import _runtime
 

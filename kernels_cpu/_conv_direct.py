@@ -28,7 +28,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from portable_nn.reference.activations import keeps_output_only
+from portable_nn.kernel_codes import IDENTITY, keeps_output_only
 
 from . import _runtime
 from ._blas import span
@@ -98,7 +98,7 @@ def _write_plane(acc, y5, z5, n, o, bo, geo, keep_z, kind, code, slope):
 
 @njit(**_OPTS)
 def _write(acc, y5, z5, n, o, bo, geo, keep_z, code, slope):
-    if code == 0:
+    if code == IDENTITY:
         _write_plane(acc, y5, z5, n, o, bo, geo, keep_z, 0, code, slope)
     elif is_rectifier(code):
         _write_plane(acc, y5, z5, n, o, bo, geo, keep_z, 1, code, rectifier_slope(code, slope))
@@ -159,7 +159,7 @@ def _grad_plane(g, dy5, k5, n, o, geo, kind, code, slope, from_output):
 
 @njit(**_OPTS)
 def _grad(g, dy5, k5, n, o, geo, code, slope, from_output):
-    if code == 0:
+    if code == IDENTITY:
         return _grad_plane(g, dy5, k5, n, o, geo, 0, code, slope, from_output)
     if is_rectifier(code) and from_output:
         return _grad_plane(g, dy5, k5, n, o, geo, 1, code, rectifier_slope(code, slope), from_output)

@@ -44,7 +44,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from portable_nn.reference.activations import keeps_output_only
+from portable_nn.kernel_codes import IDENTITY, keeps_output_only
 
 from . import _runtime
 from ._blas import gemm
@@ -227,7 +227,7 @@ def _epilogue_image(z, y5, bg, c0, n, base, p0, p1, og, hq, wq, oh_n, ow_n, od_n
 
 @njit(**_OPTS)
 def _epilogue(z, y5, b, g, p0, p1, geo, code, slope):
-    if code == 0:
+    if code == IDENTITY:
         _epilogue_lines(z, y5, b, g, p0, p1, geo, 0, code, slope)
     elif is_rectifier(code):
         _epilogue_lines(z, y5, b, g, p0, p1, geo, 1, code, rectifier_slope(code, slope))
@@ -295,7 +295,7 @@ def _grad_lines(dy5, k5, gx, dbp, n, geo, kind, code, slope, from_output):
 
 @njit(**_OPTS)
 def _grad(dy5, k5, gx, dbp, n, geo, code, slope, from_output):
-    if code == 0:
+    if code == IDENTITY:
         _grad_lines(dy5, k5, gx, dbp, n, geo, 0, code, slope, from_output)
     elif is_rectifier(code) and from_output:
         _grad_lines(dy5, k5, gx, dbp, n, geo, 1, code, rectifier_slope(code, slope), from_output)

@@ -1,6 +1,6 @@
 """Scalar activations for Numba kernels, selected by a runtime code.
 
-Codes follow :data:`portable_nn.api.activations.ACTIVATIONS` (identity 0,
+Codes are the names of :mod:`portable_nn.kernel_codes` (identity 0,
 relu 1, sigmoid 2, tanh 3, gelu 4, gelu_tanh 5, silu 6, leaky_relu 7), so one
 compiled kernel serves every activation.  Functions are inlined into callers.
 """
@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 
 from numba import njit
+
+from portable_nn.kernel_codes import GELU, GELU_TANH, IDENTITY, LEAKY_RELU, RELU, SIGMOID, SILU, TANH
 
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -28,19 +30,19 @@ def sigmoid(z):
 @njit(inline="always", error_model="numpy", cache=True)
 def act(z, code, slope):
     """act(z) for the activation ``code``."""
-    if code == 0:
+    if code == IDENTITY:
         return z
-    if code == 1:
+    if code == RELU:
         return z if not (z <= 0.0) else 0.0  # +0.0 like PyTorch; NaN propagates
-    if code == 2:
+    if code == SIGMOID:
         return sigmoid(z)
-    if code == 3:
+    if code == TANH:
         return math.tanh(z)
-    if code == 4:
+    if code == GELU:
         return 0.5 * z * (1.0 + math.erf(z * _INV_SQRT_2))
-    if code == 5:
+    if code == GELU_TANH:
         return 0.5 * z * (1.0 + math.tanh(_K * (z + _C * z * z * z)))
-    if code == 6:
+    if code == SILU:
         return z * sigmoid(z)
     return z if z > 0.0 else slope * z
 
@@ -48,22 +50,22 @@ def act(z, code, slope):
 @njit(inline="always", error_model="numpy", cache=True)
 def act_grad(z, code, slope):
     """act'(z), with PyTorch's values at kinks (relu'(0) = 0, leaky_relu'(0) = slope)."""
-    if code == 0:
+    if code == IDENTITY:
         return 1.0
-    if code == 1:
+    if code == RELU:
         return 1.0 if z > 0.0 else 0.0
-    if code == 2:
+    if code == SIGMOID:
         s = sigmoid(z)
         return s * (1.0 - s)
-    if code == 3:
+    if code == TANH:
         t = math.tanh(z)
         return 1.0 - t * t
-    if code == 4:
+    if code == GELU:
         return 0.5 * (1.0 + math.erf(z * _INV_SQRT_2)) + z * _INV_SQRT_2PI * math.exp(-0.5 * z * z)
-    if code == 5:
+    if code == GELU_TANH:
         t = math.tanh(_K * (z + _C * z * z * z))
         return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _K * (1.0 + 3.0 * _C * z * z)
-    if code == 6:
+    if code == SILU:
         s = sigmoid(z)
         return s * (1.0 + z * (1.0 - s))
     return 1.0 if z > 0.0 else slope
@@ -91,14 +93,14 @@ def _act_any(v, code, slope):
 @njit(**_KIND_OPTS)
 def _dact_any(v, code, slope, from_output):
     """act' at an element, from the output y (``from_output``) or from the pre-activation z."""
-    if code == 0:
+    if code == IDENTITY:
         return 1.0
     if from_output:
-        if code == 1:
+        if code == RELU:
             return 1.0 if v > 0.0 else 0.0
-        if code == 2:
+        if code == SIGMOID:
             return v * (1.0 - v)
-        if code == 3:
+        if code == TANH:
             return 1.0 - v * v
         return 1.0 if v > 0.0 else slope
     return act_grad(v, code, slope)
@@ -127,10 +129,10 @@ def deriv_kind(v, kind, code, slope, from_output):
 @njit(inline="always", **_KIND_OPTS)
 def is_rectifier(code):
     """relu (code 1) or leaky_relu (7): the activations whose loops get a branch-free select form."""
-    return code == 1 or code == 7
+    return code == RELU or code == LEAKY_RELU
 
 
 @njit(inline="always", **_KIND_OPTS)
 def rectifier_slope(code, slope):
     """The negative-side slope of relu (0) or leaky_relu."""
-    return 0.0 if code == 1 else slope
+    return 0.0 if code == RELU else slope

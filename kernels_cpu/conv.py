@@ -60,7 +60,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from portable_nn.reference.activations import keeps_output_only
+from portable_nn.kernel_codes import IDENTITY, keeps_output_only
 
 from . import _conv_direct, _conv_shifted, _runtime
 from ._conv_common import Geometry, Outputs, cotangent, padded_input
@@ -201,7 +201,7 @@ def _epilogue_loops(z, b, yf, yst, lg, g, l0, l1, last, kind, code, slope):
 def _epilogue(z, b, yf, yst, lg, g, l0, l1, last, code, slope):
     """Group g's output channels of lines [l0, l1): y = act(Z + bias), Z (Q, Og) the chunk's product.
     Channels first writes runs along the positions (reading a column of Z, in cache)."""
-    if code == 0:
+    if code == IDENTITY:
         _epilogue_loops(z, b, yf, yst, lg, g, l0, l1, last, 0, code, slope)
     elif is_rectifier(code):
         _epilogue_loops(z, b, yf, yst, lg, g, l0, l1, last, 1, code, rectifier_slope(code, slope))
@@ -276,7 +276,7 @@ def _grad(dyf, kf, yst, gm, dbk, n0, n1, last, code, slope, from_output):
     """g = dy · act'(kept) for images [n0, n1) into gm — (G, Og, Q) channels first, (G, Q, Og)
     channels last, the order dy is read in — then dbk[o] += Σ g over the chunk, read back while
     gm is in cache (a separate loop: stores and running sums in one loop serialise each other)."""
-    if code == 0:
+    if code == IDENTITY:
         _grad_values(dyf, kf, yst, gm, n0, n1, last, 0, code, slope, from_output)
     elif is_rectifier(code) and from_output:
         _grad_values(dyf, kf, yst, gm, n0, n1, last, 1, code, rectifier_slope(code, slope), from_output)

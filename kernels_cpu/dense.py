@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from portable_nn.reference.activations import keeps_output_only
+from portable_nn.kernel_codes import IDENTITY, keeps_output_only
 
 from . import _runtime
 from ._blas import gemm, power_of_two, span
@@ -62,7 +62,7 @@ def _epilogue_rows(z, b, y, r0, r1, keep_z, kind, code, slope):
 
 @njit(**_OPTS)
 def _epilogue(z, b, y, r0, r1, keep_z, code, slope):
-    if code == 0:
+    if code == IDENTITY:
         _epilogue_rows(z, b, y, r0, r1, keep_z, 0, code, slope)
     elif is_rectifier(code):
         _epilogue_rows(z, b, y, r0, r1, keep_z, 1, code, rectifier_slope(code, slope))
@@ -86,7 +86,7 @@ def _grad_rows(dy, k, g, db, r0, r1, kind, code, slope, from_output):
 
 @njit(**_OPTS)
 def _grad(dy, k, g, db, r0, r1, code, slope, from_output):
-    if code == 0:
+    if code == IDENTITY:
         _grad_rows(dy, k, g, db, r0, r1, 0, code, slope, from_output)
     elif is_rectifier(code) and from_output:
         _grad_rows(dy, k, g, db, r0, r1, 1, code, rectifier_slope(code, slope), from_output)
@@ -108,7 +108,7 @@ def _forward_serial(x, w, b, y, z, keep_z, code, slope):
 @njit(**_OPTS)
 def _backward_serial(x, w, dy, k, g, dx, dw, db, code, slope, from_output, need_x, need_w):
     """g and db in one pass (skipped for the identity: g is dy), then dW = gᵀ @ X and dX = g @ W."""
-    if code == 0:
+    if code == IDENTITY:
         for i in range(dy.shape[0]):
             d = dy[i]
             for j in range(d.shape[0]):
@@ -151,7 +151,7 @@ def _gradient_part(p, parts, w, dy, k, g, dx, dbp, code, slope, from_output, nee
     if r1 <= r0:
         return
     n_out, n_in = w.shape
-    if code == 0:
+    if code == IDENTITY:
         acc = dbp[p]
         for i in range(r0, r1):
             d = dy[i]
@@ -270,7 +270,7 @@ def dense_forward(call):
                            slope)
     residuals = None
     if call.save:
-        kept = None if code == 0 else (y2 if from_output else z2)
+        kept = None if code == IDENTITY else (y2 if from_output else z2)
         residuals = (x2, w, kept, x.shape, code, slope, from_output)
     return (y2.reshape((*x.shape[:-1], n_out)),), residuals
 
@@ -303,7 +303,7 @@ def dense_backward(residuals, cotangents, needs, out=None):
         parts = _parts(macs, m)
         wparts = _parts(macs, max(n_in, n_out)) if need_w else 1
         dbp = np.zeros((parts, n_out))
-        g = dy2 if code == 0 else _runtime.empty((m, n_out), dtype)
+        g = dy2 if code == IDENTITY else _runtime.empty((m, n_out), dtype)
         _runtime.run_sized(_backward_parallel, _backward_parts, max(parts, wparts) > 1, parts, wparts, x2, w, dy2,
                            k2, g, dx2, dw, dbp, code, slope, from_output, need_x, need_w)
         db = dbp.sum(axis=0)

@@ -37,6 +37,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from portable_nn.kernel_codes import IDENTITY
 from portable_nn.kernel_plans import MomentsPlan, canonical, moments_plan, moments_shape, row_splits
 
 from . import _runtime
@@ -150,7 +151,7 @@ def _write_row(xr, yr, wv, bv, m, r, code, slope):
     rr = xr.dtype.type(r)
     for q in range(xr.shape[0]):
         yr[q] = ((xr[q] - mh) - ml) * rr * wv[q] + bv[q]
-    if code != 0:
+    if code != IDENTITY:
         _activate(yr, code, slope)
 
 
@@ -161,7 +162,7 @@ def _write_segment(xr, yr, wj, bj, m, r, code, slope):
     scale = xr.dtype.type(r * wj)
     for q in range(xr.shape[0]):
         yr[q] = ((xr[q] - mh) - ml) * scale + bj
-    if code != 0:
+    if code != IDENTITY:
         _activate(yr, code, slope)
 
 
@@ -293,7 +294,7 @@ def _g_at(xv, dyv, m, r, wq, bq, code, slope):
     """(g, x̂) at one element: g = dy · act'(x̂ · w + b)."""
     xhat = (np.float64(xv) - m) * r
     g = np.float64(dyv)
-    if code != 0:
+    if code != IDENTITY:
         g *= act_grad(xhat * wq + bq, code, slope)
     return g, xhat
 
@@ -338,7 +339,7 @@ def _row_sums(xr, dyr, wv, bv, m, r, code, slope):
     """
     sa = 0.0
     sb = 0.0
-    if code == 0:  # the common case gets a loop without the activation call, which vectorises
+    if code == IDENTITY:  # the common case gets a loop without the activation call, which vectorises
         # In the data's dtype (twice the vector width for float32, no conversions), in blocks whose
         # sums are folded into float64: a float32 block sum of SUM_BLOCK terms errs by ~1e-7
         # relative, well inside float32 gradients' accuracy, and blocks add exactly enough.
@@ -373,7 +374,7 @@ def _row_sums(xr, dyr, wv, bv, m, r, code, slope):
 @njit(inline="always", **_OPTS)
 def _row_params(xr, dyr, wv, bv, dwr, dbr, m, r, code, slope):
     """dw += g·x̂ and db += g along the row (this chunk's partial rows, in their own dtype)."""
-    if code == 0:
+    if code == IDENTITY:
         dt = dwr.dtype.type
         mh, ml = _split(dwr, m)
         rr = dt(r)
@@ -405,7 +406,7 @@ def _segment_sums(xr, dyr, wj, bj, m, r, code, slope):
     """One shared parameter along the segment: (Σ g, Σ g·x̂) (w is applied once, by the caller)."""
     sa = 0.0
     sb = 0.0
-    if code == 0:
+    if code == IDENTITY:
         for q in range(xr.shape[0]):
             g = np.float64(dyr[q])
             sa += g
@@ -429,7 +430,7 @@ def _segment_sums(xr, dyr, wj, bj, m, r, code, slope):
 @njit(inline="always", **_OPTS)
 def _dx_row(xr, dyr, dxr, wv, bv, m, r, mean_gx, mean_gxh, train, code, slope):
     """dx = r·(g·w − mean(g·w) − x̂·mean(g·w·x̂)) along a row (inference: dx = r·g·w)."""
-    if code == 0 and train:  # the common case, in the data's dtype (see _split)
+    if code == IDENTITY and train:  # the common case, in the data's dtype (see _split)
         mh, ml = _split(xr, m)
         dt = xr.dtype.type
         rr, a, c0 = dt(r), dt(mean_gxh), dt(mean_gx)
@@ -457,7 +458,7 @@ def _dx_row(xr, dyr, dxr, wv, bv, m, r, mean_gx, mean_gxh, train, code, slope):
 @njit(inline="always", **_OPTS)
 def _dx_segment(xr, dyr, dxr, wj, bj, m, r, mean_gx, mean_gxh, train, code, slope):
     """The same along a segment sharing one parameter (w, r and the means folded into three constants)."""
-    if code == 0 and train:
+    if code == IDENTITY and train:
         mh, ml = _split(xr, m)
         dt = xr.dtype.type
         a, bx, c0 = dt(r * wj), dt(r * r * mean_gxh), dt(r * mean_gx)
@@ -666,7 +667,7 @@ def _col_write_task(t, x3, y3, mh, ml, scale, bias, rows, tasks, code, slope):
         yr = y3[i, p]
         for j in range(xr.shape[0]):
             yr[j] = ((xr[j] - h[j]) - lo[j]) * sc[j] + bias[j]
-        if code != 0:
+        if code != IDENTITY:
             _activate(yr, code, slope)
 
 
@@ -692,7 +693,7 @@ def _col_grad_task(t, x3, dy3, m, r, w, b, ga, gb, rows, code, slope):
     for p in range(k * rows, min(x3.shape[1], (k + 1) * rows)):
         xr = x3[i, p]
         dyr = dy3[i, p]
-        if code == 0:
+        if code == IDENTITY:
             for j in range(xr.shape[0]):
                 g = np.float64(dyr[j])
                 a[j] += g

@@ -75,6 +75,9 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+from portable_nn.kernel_codes import GATES, GRU, GRU_ORIGINAL, LSTM, RNN_RELU, RNN_TANH
+from portable_nn.kernel_plans import caller_layout, time_major
+
 from . import _runtime
 from ._blas import parallel_gemm
 
@@ -85,9 +88,8 @@ from ._blas import parallel_gemm
 _OPTS = {"cache": True, "error_model": "numpy", "nogil": True, "fastmath": {"contract"}}
 _INLINE = {**_OPTS, "inline": "always"}
 
-# Runtime cell codes: one compiled function serves every kind.
-RNN_TANH, RNN_RELU, LSTM, GRU, GRU_ORIGINAL = range(5)
-_GATES = {RNN_TANH: 1, RNN_RELU: 1, LSTM: 4, GRU: 3, GRU_ORIGINAL: 3}
+# Runtime cell codes (portable_nn.kernel_codes): one compiled function serves every kind.
+_GATES = GATES
 
 # float32 constants: exact in float64, and they keep float32 arithmetic in float32.
 _ZERO = np.float32(0.0)
@@ -757,15 +759,6 @@ def _dummy(dtype, ndim):
     return np.zeros((1,) * ndim, dtype)
 
 
-def _time_major(a, batch_first, dtype):
-    """``(T, N, F)`` contiguous from ``(N, T, F)`` (batch first) or ``(T, N, F)``."""
-    return np.ascontiguousarray(np.swapaxes(a, 0, 1), dtype=dtype) if batch_first else _plain(a, dtype)
-
-
-def _caller_layout(a, batch_first):
-    return np.ascontiguousarray(np.swapaxes(a, 0, 1)) if batch_first else a
-
-
 def _direct(buffer, shape, dtype):
     """The caller's ``out`` buffer viewed as ``shape`` when the kernel can write into it, else None."""
     if buffer is None or buffer.dtype != dtype or not buffer.flags.c_contiguous:
@@ -1064,7 +1057,7 @@ def sequence_forward(call):
     x = call.x
     dtype = x.dtype
     layers, dirs, hs = call.num_layers, call.num_directions, call.hidden_size
-    X = _time_major(x, call.batch_first, dtype)
+    X = _plain(time_major(np, x, call.batch_first, dtype), dtype)
     steps, n = X.shape[0], X.shape[1]
     lengths = _lengths(call.lengths, steps, n)
     h_n = _initial(call.arrays.get("h0"), (layers * dirs, n, hs), dtype)
@@ -1082,7 +1075,7 @@ def sequence_forward(call):
             weights.append(w)
         inputs.append(inp)
         inp = y
-    outputs = (_caller_layout(inp, call.batch_first), h_n) + (() if c_n is None else (c_n,))
+    outputs = (caller_layout(np, inp, call.batch_first), h_n) + (() if c_n is None else (c_n,))
     residuals = (code, call, inputs, weights, saved, lengths) if call.save else None
     return outputs, residuals
 
@@ -1094,7 +1087,7 @@ def sequence_backward(residuals, cotangents, needs, out=None):
     dtype = inputs[0].dtype
     layers, dirs, hs = call.num_layers, call.num_directions, call.hidden_size
     steps, n = inputs[0].shape[0], inputs[0].shape[1]
-    dY = _time_major(cotangents[0], call.batch_first, dtype)
+    dY = _plain(time_major(np, cotangents[0], call.batch_first, dtype), dtype)
     dh = np.array(cotangents[1], dtype=dtype, order="C")  # becomes dh0 in place
     dc = np.array(cotangents[2], dtype=dtype, order="C") if code == LSTM else None
     want_x, want_p = "x" in needs, "params" in needs
@@ -1118,7 +1111,7 @@ def sequence_backward(residuals, cotangents, needs, out=None):
         dY = dX
     result = {}
     if want_x:
-        result["x"] = _into(out.get("x"), _caller_layout(dY, call.batch_first))
+        result["x"] = _into(out.get("x"), caller_layout(np, dY, call.batch_first))
     if want_p:
         result["params"] = [tuple(g) for g in pgrads]
     if "h0" in needs:

@@ -186,3 +186,17 @@ def pow2_at_most(value: int, cap: int) -> int:
     while p < min(value, top):
         p *= 2
     return p
+
+
+# --------------------------------------------------------------------------- sequence layouts
+
+
+def time_major(xp: Any, a: Any, batch_first: bool, dtype: Any = None) -> Any:
+    """A sequence as ``(T, N, F)``, C-contiguous (in ``dtype`` if given), from the caller's
+    ``(N, T, F)`` (``batch_first``) or ``(T, N, F)``; ``xp`` is NumPy or CuPy."""
+    return xp.ascontiguousarray(xp.swapaxes(a, 0, 1) if batch_first else a, dtype=dtype)
+
+
+def caller_layout(xp: Any, a: Any, batch_first: bool) -> Any:
+    """A time-major ``(T, N, F)`` result in the caller's layout (C-contiguous when swapped back)."""
+    return xp.ascontiguousarray(xp.swapaxes(a, 0, 1)) if batch_first else a

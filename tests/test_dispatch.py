@@ -303,3 +303,32 @@ def test_no_module_imports_the_command_line():
                 if any(n == "__main__" or n.endswith(".__main__") for n in names):
                     offending.append(str(path.relative_to(root)))
     assert not offending, offending
+
+
+def test_kernel_constants_come_from_one_dependency_free_module():
+    """Activation codes and keeps_output_only live in portable_nn.kernel_codes, which imports
+    nothing of ours; the reference does not import the API at run time; kernels take nothing
+    from the reference."""
+    import ast
+    from pathlib import Path
+
+    import portable_nn
+    from portable_nn import kernel_codes
+
+    assert portable_nn.ACTIVATIONS is kernel_codes.ACTIVATION_CODES
+    root = Path(__file__).resolve().parents[1]
+    tree = ast.parse((root / "portable_nn" / "kernel_codes.py").read_text())
+    imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert set(imported) <= {"__future__", "typing"}, imported
+    offending = []
+    for folder in ("kernels_cpu", "kernels_aten", "kernels_gpu"):
+        for path in (root / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                offending += [f"{path.relative_to(root)} imports {n}" for n in names
+                              if n == "portable_nn.reference" or n.startswith("portable_nn.reference.")]
+    assert not offending, offending
+    reference = (root / "portable_nn" / "reference" / "activations.py").read_text()
+    assert "if TYPE_CHECKING:" in reference and "\nfrom ..api" not in reference

@@ -1007,3 +1007,16 @@ def test_gpu_moments_bitwise_deterministic(settings, monkeypatch):
     for first, second in zip(results[::2], results[1::2]):
         for a, b in zip(first, second):
             assert bool((a == b).all())
+
+
+def test_activation_codes_are_the_python_ones():
+    """common.cuh spells the activation codes as PNN_ACT_* macros: the same numbers as
+    portable_nn.kernel_codes (which the API and the Numba kernels use), one macro per name."""
+    from pathlib import Path
+
+    from portable_nn.kernel_codes import ACTIVATION_CODES
+
+    header = (Path(rt.__file__).parent / "common.cuh").read_text()
+    macros = {name.lower(): int(code) for name, code in re.findall(r"#define PNN_ACT_(\w+) (\d+)", header)}
+    assert macros == ACTIVATION_CODES
+    assert not re.search(r"case \d+:", header.split("act_fwd", 1)[1].split("block reductions", 1)[0])

@@ -111,8 +111,17 @@ template <class A> __device__ __forceinline__ A sigmoid(A z) {
 
 // --------------------------------------------------------------------------- activations
 //
-// Runtime codes of portable_nn.api.activations.ACTIVATIONS: identity 0, relu 1, sigmoid 2,
-// tanh 3, gelu 4 (erf), gelu_tanh 5, silu 6, leaky_relu 7 (with `slope`).
+// Runtime codes, as portable_nn/kernel_codes.py defines them (a test checks these against it);
+// leaky_relu comes with `slope`, gelu is the exact (erf) form.
+
+#define PNN_ACT_IDENTITY 0
+#define PNN_ACT_RELU 1
+#define PNN_ACT_SIGMOID 2
+#define PNN_ACT_TANH 3
+#define PNN_ACT_GELU 4
+#define PNN_ACT_GELU_TANH 5
+#define PNN_ACT_SILU 6
+#define PNN_ACT_LEAKY_RELU 7
 
 #define PNN_INV_SQRT2 0.70710678118654752440
 #define PNN_INV_SQRT_2PI 0.39894228040143267794
@@ -121,34 +130,34 @@ template <class A> __device__ __forceinline__ A sigmoid(A z) {
 
 template <class A> __device__ __forceinline__ A act_fwd(A z, int code, A slope) {
     switch (code) {
-        case 0: return z;
-        case 1: return z > A(0) ? z : A(0) * z;  // 0 * NaN keeps NaN, like PyTorch
-        case 2: return sigmoid(z);
-        case 3: return pnn_tanh(z);
-        case 4: return A(0.5) * z * (A(1) + pnn_erf(z * A(PNN_INV_SQRT2)));
-        case 5: return A(0.5) * z * (A(1) + pnn_tanh(A(PNN_SQRT_2_OVER_PI) * (z + A(PNN_GELU_C) * z * z * z)));
-        case 6: return z * sigmoid(z);
-        default: return z > A(0) ? z : slope * z;
+        case PNN_ACT_IDENTITY: return z;
+        case PNN_ACT_RELU: return z > A(0) ? z : A(0) * z;  // 0 * NaN keeps NaN, like PyTorch
+        case PNN_ACT_SIGMOID: return sigmoid(z);
+        case PNN_ACT_TANH: return pnn_tanh(z);
+        case PNN_ACT_GELU: return A(0.5) * z * (A(1) + pnn_erf(z * A(PNN_INV_SQRT2)));
+        case PNN_ACT_GELU_TANH: return A(0.5) * z * (A(1) + pnn_tanh(A(PNN_SQRT_2_OVER_PI) * (z + A(PNN_GELU_C) * z * z * z)));
+        case PNN_ACT_SILU: return z * sigmoid(z);
+        default: return z > A(0) ? z : slope * z;  // PNN_ACT_LEAKY_RELU
     }
 }
 
 // act'(z), with PyTorch's values at kinks (relu'(0) = 0, leaky_relu'(0) = slope).
 template <class A> __device__ __forceinline__ A act_grad(A z, int code, A slope) {
     switch (code) {
-        case 0: return A(1);
-        case 1: return z > A(0) ? A(1) : A(0);
-        case 2: { A s = sigmoid(z); return s * (A(1) - s); }
-        case 3: { A t = pnn_tanh(z); return A(1) - t * t; }
-        case 4:
+        case PNN_ACT_IDENTITY: return A(1);
+        case PNN_ACT_RELU: return z > A(0) ? A(1) : A(0);
+        case PNN_ACT_SIGMOID: { A s = sigmoid(z); return s * (A(1) - s); }
+        case PNN_ACT_TANH: { A t = pnn_tanh(z); return A(1) - t * t; }
+        case PNN_ACT_GELU:
             return A(0.5) * (A(1) + pnn_erf(z * A(PNN_INV_SQRT2))) +
                    z * A(PNN_INV_SQRT_2PI) * pnn_exp(A(-0.5) * z * z);
-        case 5: {
+        case PNN_ACT_GELU_TANH: {
             A t = pnn_tanh(A(PNN_SQRT_2_OVER_PI) * (z + A(PNN_GELU_C) * z * z * z));
             return A(0.5) * (A(1) + t) +
                    A(0.5) * z * (A(1) - t * t) * A(PNN_SQRT_2_OVER_PI) * (A(1) + A(3.0 * PNN_GELU_C) * z * z);
         }
-        case 6: { A s = sigmoid(z); return s * (A(1) + z * (A(1) - s)); }
-        default: return z > A(0) ? A(1) : slope;
+        case PNN_ACT_SILU: { A s = sigmoid(z); return s * (A(1) + z * (A(1) - s)); }
+        default: return z > A(0) ? A(1) : slope;  // PNN_ACT_LEAKY_RELU
     }
 }
 

@@ -40,7 +40,7 @@ __global__ void act_grad_bias(const T* dy, const T* pre, T* g, typename acc_of<T
         for (long long n = chunk * rows + threadIdx.y; n < hi; n += blockDim.y) {
             const long long e = n * width + w;
             A gv = static_cast<A>(to_acc(dy[channels_last ? (n * L + l) * O + o : e]));
-            if (code != 0) gv *= act_grad(static_cast<A>(to_acc(pre[e])), code, A(slope));
+            if (code != PNN_ACT_IDENTITY) gv *= act_grad(static_cast<A>(to_acc(pre[e])), code, A(slope));
             g[e] = from_acc<T>(gv);
             s += gv;
         }

@@ -149,7 +149,7 @@ __global__ void norm_col_partial(const T* x, const T* dy, const PT* w, const PT*
                 const long long g = i * cc + c;
                 const A xh = xhat_of(xv, mean[g], mean[groups + g], rstd[g]);
                 A gv = static_cast<A>(to_acc(dy[rr * width + wcol]));
-                if (code != 0) gv *= act_grad(xh * wj + bj, code, A(slope));
+                if (code != PNN_ACT_IDENTITY) gv *= act_grad(xh * wj + bj, code, A(slope));
                 a += gv;
                 bsum += gv * xh;
             }
@@ -237,7 +237,7 @@ __device__ __forceinline__ void grad_at(const T* x, const T* dy, const PT* w, co
     xh = xhat_of(static_cast<A>(to_acc(x[o])), mh, ml, r);
     A gv = static_cast<A>(to_acc(dy[o]));
     const A wj = param_or<A>(w, j, A(1));
-    if (code != 0) gv *= act_grad(xh * wj + param_or<A>(b, j, A(0)), code, A(slope));
+    if (code != PNN_ACT_IDENTITY) gv *= act_grad(xh * wj + param_or<A>(b, j, A(0)), code, A(slope));
     gw = wfree ? gv : gv * wj;
 }
 

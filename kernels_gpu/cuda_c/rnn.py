@@ -41,6 +41,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from portable_nn.kernel_plans import caller_layout, time_major
+
 from . import _runtime as rt
 
 FAMILY = "rnn"
@@ -204,16 +206,6 @@ class _Dir:
         return self.hseq[1:] if self.reverse else self.hseq[:steps]
 
 
-def _time_major(xp, a, batch_first, dtype):
-    """``(T, N, F)`` C-contiguous in ``dtype`` from the caller's layout."""
-    a = xp.swapaxes(a, 0, 1) if batch_first else a
-    return xp.ascontiguousarray(a, dtype=dtype)
-
-
-def _caller_layout(xp, a, batch_first):
-    return xp.ascontiguousarray(xp.swapaxes(a, 0, 1)) if batch_first else a
-
-
 def _stacked(xp, mats):
     """Row-wise stack of the directions' matrices (the array itself for one direction)."""
     return mats[0] if len(mats) == 1 else xp.concatenate(mats, axis=0)
@@ -271,7 +263,7 @@ def sequence_forward(call: Any) -> tuple[tuple[Any, ...], Any]:
     dtype = x.dtype
     kind, layers, dirs, hs = call.kind, int(call.num_layers), int(call.num_directions), int(call.hidden_size)
     original = kind == "gru" and not call.reset_after
-    X = _time_major(xp, x, call.batch_first, dtype)
+    X = time_major(xp, x, call.batch_first, dtype)
     steps, n = int(X.shape[0]), int(X.shape[1])
     lengths = None if call.lengths is None else xp.asarray(call.lengths, dtype=xp.int64)
     h0, c0 = call.arrays.get("h0"), call.arrays.get("c0")
@@ -302,7 +294,7 @@ def sequence_forward(call: Any) -> tuple[tuple[Any, ...], Any]:
         stacks.append(w_stack)
         directions.append(ws)
         inp = y
-    outputs = (_caller_layout(xp, inp, call.batch_first), h_n) + (() if c_n is None else (c_n,))
+    outputs = (caller_layout(xp, inp, call.batch_first), h_n) + (() if c_n is None else (c_n,))
     residuals = (call.replace(arrays={**call.arrays}), inputs, stacks, directions, lengths) if call.save else None
     return outputs, residuals
 
@@ -398,7 +390,7 @@ def sequence_backward(residuals: Any, cotangents: Any, needs: Any, out: Any = No
         return xp.asarray(cotangents[k], dtype=dtype)
 
     d_out = cotangent(0)
-    dY = None if d_out is None else _time_major(xp, d_out, call.batch_first, dtype)
+    dY = None if d_out is None else time_major(xp, d_out, call.batch_first, dtype)
     d_hn = cotangent(1)
     d_cn = cotangent(2) if kind == "lstm" else None
     want_x, want_p = "x" in needs, "params" in needs
@@ -433,7 +425,7 @@ def sequence_backward(residuals: Any, cotangents: Any, needs: Any, out: Any = No
             dY = xp.matmul(dgi2, stacks[layer]).reshape(steps, n, features)
     grads: dict[str, Any] = {}
     if want_x:
-        grads["x"] = _deliver(out.get("x"), _caller_layout(xp, dY, call.batch_first))
+        grads["x"] = _deliver(out.get("x"), caller_layout(xp, dY, call.batch_first))
     if want_p:
         buffers = out.get("params")
         result = []

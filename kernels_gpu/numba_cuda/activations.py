@@ -1,6 +1,6 @@
 """Activations as CUDA device functions selected by a runtime code.
 
-Codes follow :data:`portable_nn.api.activations.ACTIVATIONS` (identity 0, relu 1, sigmoid 2,
+Codes are the names of :mod:`portable_nn.kernel_codes` (identity 0, relu 1, sigmoid 2,
 tanh 3, gelu 4, gelu_tanh 5, silu 6, leaky_relu 7), so one compiled kernel serves every
 activation.  Constants take the argument's type (:func:`~._runtime.cast_as`): with a float32
 argument (float32 and half-precision data) everything stays in float32 (``expf``/``erff``/
@@ -11,6 +11,8 @@ argument (float32 and half-precision data) everything stays in float32 (``expf``
 from __future__ import annotations
 
 import math
+
+from portable_nn.kernel_codes import GELU, GELU_TANH, IDENTITY, RELU, SIGMOID, SILU, TANH
 
 from ._runtime import cast_as, device
 
@@ -39,19 +41,19 @@ def act(z, code, slope):
     half_ = cast_as(z, 0.5)
     k_ = cast_as(z, _GELU_K)
     c_ = cast_as(z, _GELU_C)
-    if code == 0:
+    if code == IDENTITY:
         return z
-    if code == 1:
+    if code == RELU:
         return z if z > zero_ else zero_ * z
-    if code == 2:
+    if code == SIGMOID:
         return sigmoid(z)
-    if code == 3:
+    if code == TANH:
         return math.tanh(z)
-    if code == 4:
+    if code == GELU:
         return half_ * z * (one_ + math.erf(z * cast_as(z, _INV_SQRT_2)))
-    if code == 5:
+    if code == GELU_TANH:
         return half_ * z * (one_ + math.tanh(k_ * (z + c_ * z * z * z)))
-    if code == 6:
+    if code == SILU:
         return z * sigmoid(z)
     return z if z > zero_ else slope * z
 
@@ -65,23 +67,23 @@ def act_grad(z, code, slope):
     three_ = cast_as(z, 3.0)
     k_ = cast_as(z, _GELU_K)
     c_ = cast_as(z, _GELU_C)
-    if code == 0:
+    if code == IDENTITY:
         return one_ + zero_ * z
-    if code == 1:
+    if code == RELU:
         return one_ + zero_ * z if z > zero_ else zero_ * z
-    if code == 2:
+    if code == SIGMOID:
         s = sigmoid(z)
         return s * (one_ - s)
-    if code == 3:
+    if code == TANH:
         t = math.tanh(z)
         return one_ - t * t
-    if code == 4:
+    if code == GELU:
         density = cast_as(z, _INV_SQRT_2PI) * math.exp(-half_ * z * z)
         return half_ * (one_ + math.erf(z * cast_as(z, _INV_SQRT_2))) + z * density
-    if code == 5:
+    if code == GELU_TANH:
         t = math.tanh(k_ * (z + c_ * z * z * z))
         return half_ * (one_ + t) + half_ * z * (one_ - t * t) * k_ * (one_ + three_ * c_ * z * z)
-    if code == 6:
+    if code == SILU:
         s = sigmoid(z)
         return s * (one_ + z * (one_ - s))
     return one_ + zero_ * z if z > zero_ else slope + zero_ * z
@@ -96,12 +98,12 @@ def act_grad_from_output(y, code, slope):
     """
     zero_ = cast_as(y, 0.0)
     one_ = cast_as(y, 1.0)
-    if code == 0:
+    if code == IDENTITY:
         return one_ + zero_ * y
-    if code == 1:
+    if code == RELU:
         return one_ + zero_ * y if y > zero_ else zero_ * y
-    if code == 2:
+    if code == SIGMOID:
         return y * (one_ - y)
-    if code == 3:
+    if code == TANH:
         return one_ - y * y
     return one_ + zero_ * y if y > zero_ else slope + zero_ * y

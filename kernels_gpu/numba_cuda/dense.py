@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from portable_nn.reference.activations import keeps_output_only
+from portable_nn.kernel_codes import keeps_output_only
 
 from . import _runtime as rt
 from ._runtime import cast_as, kernel, load, store

@@ -40,6 +40,7 @@ import math
 import numpy as np
 from numba import cuda, float64
 
+from portable_nn.kernel_codes import IDENTITY
 from portable_nn.kernel_plans import canonical, moments_plan, moments_shape, pow2_at_most, row_splits
 
 from . import _runtime as rt
@@ -117,7 +118,7 @@ def _grad_pair(mode, xv, dyv, w, j, b, m, r, code, slope):
     """The two float64 quantities mode 1 (g·w, g·w·x̂) or mode 2 (g, g·x̂) sums at one element."""
     xh = (np.float64(xv) - m) * r
     g = np.float64(dyv)
-    if code != 0:
+    if code != IDENTITY:
         g *= np.float64(act_grad(compute_cast(w, xh) * w[j] + b[j], code, slope))
     if mode == 1:
         gw = g * np.float64(w[j])
@@ -221,7 +222,7 @@ def _row_backward(x, dy, w, b, dx, mean, rstd, P, C, Q, S, center, code, slope):
         j = (c * Q + q) // S
         xh = _xhat(load(x, f), w, m, r)
         gg = load(dy, f)
-        if code != 0:
+        if code != IDENTITY:
             gg = gg * act_grad(xh * w[j] + b[j], code, slope)
         store(dx, f, rr * (gg * w[j] - mgx - xh * mgxh))
         e += nt
@@ -387,7 +388,7 @@ def _apply_backward(x, dy, w, b, dx, mean, rstd, sa, sb, P, C, Q, S, n, train, c
         rr = compute_cast(w, rstd[grp])
         xh = _xhat(load(x, f), w, mean[grp], rstd[grp])
         gg = load(dy, f)
-        if code != 0:
+        if code != IDENTITY:
             gg = gg * act_grad(xh * w[j] + b[j], code, slope)
         if train:
             mgx = compute_cast(w, sa[grp] / n if center else 0.0)

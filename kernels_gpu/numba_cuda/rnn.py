@@ -60,6 +60,9 @@ from typing import Any
 import numpy as np
 from numba import cuda, float64
 
+from portable_nn.kernel_codes import GATES, GRU, GRU_ORIGINAL, LSTM, RNN_RELU, RNN_TANH
+from portable_nn.kernel_plans import time_major
+
 from . import _runtime as rt
 from ._runtime import cast_as, device, kernel
 from .activations import sigmoid
@@ -69,9 +72,8 @@ DTYPES = ("float32", "float64")
 #: Shared-memory lanes of the column reduction: the largest block it accepts.
 MAX_THREADS = 1024
 
-# Runtime cell codes: one compiled kernel serves every kind.
-RNN_TANH, RNN_RELU, LSTM, GRU, GRU_ORIGINAL = range(5)
-_GATES = {RNN_TANH: 1, RNN_RELU: 1, LSTM: 4, GRU: 3, GRU_ORIGINAL: 3}
+# Runtime cell codes (portable_nn.kernel_codes): one compiled function serves every kind.
+_GATES = GATES
 
 _I = "int64"
 _FWD = (f"void({_I}, {_I}, {{x}}[::1], {{x}}[::1], {{x}}[::1], {{x}}[::1], {{x}}[::1], {{x}}[::1], {{x}}[::1], "
@@ -633,11 +635,6 @@ def cell_backward(residuals, cotangents, needs, out=None):
 # --------------------------------------------------------------------------- sequences: entry points
 
 
-def _time_major(xp, a, batch_first):
-    """``(T, N, F)`` C-contiguous from ``(N, T, F)`` (batch first) or ``(T, N, F)``."""
-    return xp.ascontiguousarray(xp.swapaxes(a, 0, 1) if batch_first else a)
-
-
 def _deliver(buffer, value):
     """``value``, copied into the caller's ``buffer`` when one is given (``None`` stays ``None``)."""
     if buffer is None or value is None:
@@ -653,7 +650,7 @@ def sequence_forward(call):
     xp = rt.array_module(x)
     dtype = x.dtype
     layers, dirs, hs = int(call.num_layers), int(call.num_directions), int(call.hidden_size)
-    X = _time_major(xp, x, call.batch_first)
+    X = time_major(xp, x, call.batch_first)
     steps, n = int(X.shape[0]), int(X.shape[1])
     lengths = xp.asarray(np.full(n, steps, np.int64) if call.lengths is None else np.asarray(call.lengths, np.int64))
     h0, c0 = call.arrays.get("h0"), call.arrays.get("c0")
@@ -686,7 +683,7 @@ def sequence_backward(residuals, cotangents, needs, out=None):
     d0 = directions[0]
     xp, code, dtype = d0.xp, d0.code, d0.x.dtype
     layers, dirs = int(call.num_layers), int(call.num_directions)
-    dY = _time_major(xp, cotangents[0].astype(dtype, copy=False), call.batch_first)
+    dY = time_major(xp, cotangents[0].astype(dtype, copy=False), call.batch_first)
     dh_n = cotangents[1].astype(dtype, copy=False)
     dc_n = cotangents[2].astype(dtype, copy=False) if code == LSTM else None
     want_x, want_p = "x" in needs, "params" in needs

@@ -19,18 +19,11 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+from ..kernel_codes import ACTIVATION_CODES
+
 __all__ = ["ACTIVATIONS", "Activation", "ActivationLike", "parse_activation"]
 
-ACTIVATIONS = {
-    "identity": 0,
-    "relu": 1,
-    "sigmoid": 2,
-    "tanh": 3,
-    "gelu": 4,
-    "gelu_tanh": 5,
-    "silu": 6,
-    "leaky_relu": 7,
-}
+ACTIVATIONS: dict[str, int] = ACTIVATION_CODES  # defined in portable_nn.kernel_codes, with the kernels' names
 """Every activation name mapped to its runtime code, shared by every kernel.
 
 | name | code | f(z) |

@@ -8,9 +8,14 @@ exact GELU uses :func:`erf`, a series accurate to double precision.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..api.activations import Activation
+from ..kernel_codes import OUTPUT_DERIVATIVE, keeps_output_only
+
+if TYPE_CHECKING:  # the reference needs an activation's name and slope, not the API
+    from ..api.activations import Activation
+
+__all__ = ["OUTPUT_DERIVATIVE", "apply", "derivative", "derivative_from_output", "erf", "keeps_output_only", "sigmoid"]
 
 _SQRT_2 = math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -96,11 +101,6 @@ def derivative(xp: Any, z: Any, act: Activation) -> Any:
     raise AssertionError(name)  # pragma: no cover
 
 
-#: Activations whose derivative is a function of the output alone; their
-#: backward keeps only y, not the pre-activation.
-OUTPUT_DERIVATIVE = frozenset({"identity", "relu", "sigmoid", "tanh"})
-
-
 def derivative_from_output(xp: Any, y: Any, act: Activation) -> Any:
     """act'(z) written in terms of y = act(z), for :data:`OUTPUT_DERIVATIVE` activations.
 
@@ -118,8 +118,3 @@ def derivative_from_output(xp: Any, y: Any, act: Activation) -> Any:
     if name == "leaky_relu" and act.slope > 0:
         return xp.where(y > 0, xp.ones_like(y), xp.full_like(y, act.slope))
     raise ValueError(f"the derivative of {name} is not a function of its output")
-
-
-def keeps_output_only(act: Activation) -> bool:
-    """Whether the backward can work from y alone (no pre-activation kept)."""
-    return act.name in OUTPUT_DERIVATIVE or (act.name == "leaky_relu" and act.slope > 0)

@@ -27,7 +27,7 @@ data stacks to ``(N, *O, C, K)``, so ``cols`` is ``(N·P, G, C/G·K)`` and
 is transposed as a whole.
 
 Backward, with ``g = dy · act'`` (from ``y`` alone when the activation allows,
-see :func:`~portable_nn.reference.activations.keeps_output_only`, else from the
+see :func:`~portable_nn.kernel_codes.keeps_output_only`, else from the
 kept pre-activation ``z``)::
 
     dbias[o]      = Σ_{n,p} g[n, o, p]                     (reduced right after act')

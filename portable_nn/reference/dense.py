@@ -6,7 +6,7 @@ leading axes; 1 for a 1-D ``x``) and ``W`` the ``(out, in)`` weight::
     z = X · Wᵀ + b,   y = act(z)                          (reshaped to (..., out))
 
 and, with ``g = dy · act'`` (from ``y`` alone when the activation allows, see
-:func:`~portable_nn.reference.activations.keeps_output_only`, else from the
+:func:`~portable_nn.kernel_codes.keeps_output_only`, else from the
 kept pre-activation ``z``)::
 
     db = Σ_rows g      (reduced right after the activation derivative)

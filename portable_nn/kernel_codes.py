@@ -1,0 +1,60 @@
+"""The numbers the API and every kernel package share, in one dependency-free module.
+
+Kernels receive an activation as a small integer code (and leaky_relu's slope) rather than its
+name, so one compiled kernel serves every activation.  The codes are defined here only: the
+API's :data:`portable_nn.ACTIVATIONS` is this module's :data:`ACTIVATION_CODES`, the Numba
+kernels compare against these names (Numba folds module constants into the compiled code), and
+the CUDA C header ``kernels_gpu/cuda_c/common.cuh`` spells the same codes as ``PNN_ACT_*``
+macros, which a test checks against this module.
+
+Nothing here imports NumPy, the API or any kernel package.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+IDENTITY = 0
+RELU = 1
+SIGMOID = 2
+TANH = 3
+GELU = 4
+GELU_TANH = 5
+SILU = 6
+LEAKY_RELU = 7
+
+#: Every activation name and its code (the table is documented at :data:`portable_nn.ACTIVATIONS`).
+ACTIVATION_CODES: dict[str, int] = {
+    "identity": IDENTITY,
+    "relu": RELU,
+    "sigmoid": SIGMOID,
+    "tanh": TANH,
+    "gelu": GELU,
+    "gelu_tanh": GELU_TANH,
+    "silu": SILU,
+    "leaky_relu": LEAKY_RELU,
+}
+
+#: Activations whose derivative is a function of the output alone: their backward keeps only
+#: y = act(z), not the pre-activation z.
+OUTPUT_DERIVATIVE = frozenset({"identity", "relu", "sigmoid", "tanh"})
+
+
+def keeps_output_only(act: Any) -> bool:
+    """Whether a backward through activation ``act`` (anything with ``name`` and ``slope``, such as
+    :class:`portable_nn.Activation`) can work from y alone: :data:`OUTPUT_DERIVATIVE`, and
+    leaky_relu with a positive slope (y > 0 exactly when z > 0)."""
+    return act.name in OUTPUT_DERIVATIVE or (act.name == "leaky_relu" and act.slope > 0)
+
+
+# Recurrent cells, as the Python kernel packages (kernels_cpu, numba_cuda) receive them: one
+# compiled function serves every kind.  (The CUDA C kernels take a cell family and the
+# nonlinearity separately.)
+RNN_TANH = 0
+RNN_RELU = 1
+LSTM = 2
+GRU = 3  # PyTorch's form: reset_after=True
+GRU_ORIGINAL = 4  # reset_after=False
+
+#: Gates per cell kind: the rows of w_ih and w_hh are this many blocks of the hidden size.
+GATES: dict[int, int] = {RNN_TANH: 1, RNN_RELU: 1, LSTM: 4, GRU: 3, GRU_ORIGINAL: 3}
