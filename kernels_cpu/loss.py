@@ -56,6 +56,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+from portable_nn.kernel_plans import split_axis
+
 from . import _runtime
 from ._runtime import into as _into
 
@@ -628,11 +630,6 @@ def _ce_backward_serial(z, lab, tp, w, wd, mx, ls, C, Q, tasks, eps, ignore, pro
 # --------------------------------------------------------------------------- plans and entry points
 
 
-def _mcq(shape, axis):
-    """(M, C, Q) of an array reduced along ``axis``."""
-    return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :])
-
-
 def _tasks(M, Q):
     return M if Q == 1 else M * -(-Q // TILE)
 
@@ -659,7 +656,7 @@ def log_softmax_forward(call):
     """y = log_softmax(x) along ``call.axis``; keeps x and two float64 statistics per position."""
     x = call.x
     shape = tuple(int(s) for s in x.shape) or (1,)
-    M, C, Q = _mcq(shape, 0 if call.scalar else call.axis)
+    M, C, Q = split_axis(shape, 0 if call.scalar else call.axis)
     y = np.empty(x.shape, x.dtype)
     mx = np.empty(M * Q)
     ls = np.empty(M * Q)
@@ -698,7 +695,7 @@ def cross_entropy_forward(call):
     z = call.logits
     axis = call.axis
     shape = tuple(int(s) for s in z.shape)
-    M, C, Q = _mcq(shape, axis)
+    M, C, Q = split_axis(shape, axis)
     prob = bool(call.probabilities)
     # Labels and probabilities travel in separate arguments (the unused one a 1-element
     # placeholder), so each kernel has one signature per logits dtype.

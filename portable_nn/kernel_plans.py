@@ -200,3 +200,11 @@ def time_major(xp: Any, a: Any, batch_first: bool, dtype: Any = None) -> Any:
 def caller_layout(xp: Any, a: Any, batch_first: bool) -> Any:
     """A time-major ``(T, N, F)`` result in the caller's layout (C-contiguous when swapped back)."""
     return xp.ascontiguousarray(xp.swapaxes(a, 0, 1)) if batch_first else a
+
+
+def split_axis(shape: tuple[int, ...], axis: int) -> tuple[int, int, int]:
+    """(M, C, Q) of ``shape`` around ``axis``: the sizes before, along and after it (a 0-d shape is
+    one class), so an array reduced along ``axis`` is viewed as ``(M, C, Q)``."""
+    if not shape:
+        return 1, 1, 1
+    return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])

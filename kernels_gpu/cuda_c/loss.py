@@ -11,8 +11,9 @@ target's gradients.  Reductions have a fixed order: results are deterministic.
 
 from __future__ import annotations
 
-import math
 from typing import Any
+
+from portable_nn.kernel_plans import split_axis
 
 from . import _runtime as rt
 
@@ -30,13 +31,6 @@ rt.declare(FAMILY, [f"{k}<{t}>" for k in ("lsm_rows_fwd", "lsm_cols_fwd", "lsm_r
            + [f"{k}<{t}, {p}>" for k in ("ce_fwd", "ce_bwd") for t, p in rt.TYPE_PAIRS])
 
 _REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
-
-
-def split_axis(shape: tuple[int, ...], axis: int) -> tuple[int, int, int]:
-    """(outer, C, inner) of ``shape`` around ``axis`` (a 0-d shape is one class)."""
-    if not shape:
-        return 1, 1, 1
-    return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
 
 
 def _grid(total: int) -> tuple[int]:

@@ -32,6 +32,8 @@ import math
 import numpy as np
 from numba import cuda, float64
 
+from portable_nn.kernel_plans import split_axis
+
 from . import _runtime as rt
 from ._runtime import cast_as, device, kernel, load, store
 
@@ -124,17 +126,12 @@ def _lsm_backward(x, dy, dx, mx, ls, C, Q, like):
         c += nt
 
 
-def _mcq(shape, axis):
-    """(M, C, Q): the sizes before, along and after ``axis``."""
-    return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
-
-
 def log_softmax_forward(call):
     """y = log_softmax(x) along ``call.axis``; keeps x, the maxima and the log-sums."""
     x = call.x
     xp = rt.array_module(x)
     shape = tuple(int(s) for s in x.shape) or (1,)
-    m, c, q = _mcq(shape, 0 if call.scalar else call.axis)
+    m, c, q = split_axis(shape, 0 if call.scalar else call.axis)
     like = rt.scalar(0.0, rt.compute_dtype(rt.dtype_name(x)))
     y = xp.empty_like(x)
     mx = xp.empty(m * q, np.float64)
@@ -316,7 +313,7 @@ def _ce_finish(total, den, out, mode, count):
 def _ce_plan(call):
     """(M, C, Q) of the logits' class-axis view."""
     shape = tuple(int(s) for s in call.logits.shape)
-    return _mcq(shape, call.axis)
+    return split_axis(shape, call.axis)
 
 
 def _ce_arrays(call, xp):
