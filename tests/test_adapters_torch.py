@@ -20,7 +20,7 @@ from torch import nn  # noqa: E402
 import portable_nn as pnn  # noqa: E402
 import portable_nn.torch as pnt  # noqa: E402
 from portable_nn import dispatch  # noqa: E402
-from portable_nn.adapters import torch as adapter  # noqa: E402
+from portable_nn.adapters.torch import _ops as adapter_ops  # noqa: E402
 
 DT = torch.float64
 
@@ -196,7 +196,7 @@ def _spy_dense(record):
 @pytest.mark.parametrize("lost", [None, False, True], ids=["eager", "kept", "recomputed"])
 def test_needs_input_grad_skips_unwanted_gradients(lost, monkeypatch):
     """The backward kernel is asked only for the gradients autograd needs (the first layer never gets dx)."""
-    monkeypatch.setattr(adapter, "EAGER_PATH", lost is None)
+    monkeypatch.setattr(adapter_ops, "EAGER_PATH", lost is None)
     record: list[frozenset[str]] = []
     _spy_dense(record)
     try:
@@ -204,7 +204,7 @@ def test_needs_input_grad_skips_unwanted_gradients(lost, monkeypatch):
         with pnn.use_backend(dense="adapter_spy"):
             y = pnt.dense(x, w, b, activation="tanh")
             if lost:
-                adapter._saved.clear()  # the backward must then recompute, still with the reduced wrt
+                adapter_ops._saved.clear()  # the backward must then recompute, still with the reduced wrt
             y.sum().backward()
             assert record == [frozenset({"weight", "bias"})]
             assert x.grad is None
@@ -256,7 +256,7 @@ def test_eager_and_custom_op_paths_agree(monkeypatch):
     x, w, b = _t(2, 3, 6, 5), _t(4, 3, 3, 3), _t(4)
     results = []
     for eager in (True, False):
-        monkeypatch.setattr(adapter, "EAGER_PATH", eager)
+        monkeypatch.setattr(adapter_ops, "EAGER_PATH", eager)
         xx, ww, bb = (t.detach().clone().requires_grad_() for t in (x, w, b))
         y = pnt.conv(xx, ww, bb, padding=1, activation="relu")
         grads = torch.autograd.grad((y * y).sum(), (xx, ww, bb))
@@ -266,7 +266,7 @@ def test_eager_and_custom_op_paths_agree(monkeypatch):
 
 
 def test_pullbacks_are_released(monkeypatch):
-    monkeypatch.setattr(adapter, "EAGER_PATH", False)  # the custom ops' table of kept pullbacks
+    monkeypatch.setattr(adapter_ops, "EAGER_PATH", False)  # the custom ops' table of kept pullbacks
     gc.collect()
     base = pnt.saved_pullbacks()
     x, w, b = _t(3, 4), _t(4), _t(4)

@@ -1,0 +1,138 @@
+"""PyTorch adapter: portable_nn ops as ``torch.library`` custom ops, and drop-in ``torch.nn`` modules.
+
+Import it as :mod:`portable_nn.torch`.  Two layers:
+
+**Functions** (``portable_nn.torch.layer_norm``, ``conv``, ``lstm`` …) take and return
+tensors, with the signatures of the plain ops (``pnn.layer_norm`` …), and are
+differentiable with ``torch.autograd``.  Each calls a custom op registered in the
+``portable_nn`` namespace (``torch.ops.portable_nn.layer_norm`` …) with
+
+* a forward that runs our kernels through dispatch (CPU tensors reach the Numba
+  kernels as zero-copy NumPy views, CUDA tensors the GPU kernels; where the
+  ``aten`` backend ranks first — conv, dense, lstm, rnn — PyTorch's own kernel),
+* a fake (meta) implementation giving the output shapes, so ``torch.compile``
+  traces the op into its graph instead of breaking the graph,
+* an autograd formula whose backward is a second custom op
+  (``torch.ops.portable_nn.layer_norm_backward``) running our fused backward
+  kernel through the :func:`portable_nn.vjp` pullback.
+
+How forward and backward meet: when a gradient will be needed, the forward runs
+``pnn.vjp`` with ``wrt`` set to the arguments that require grad, keeps the
+pullback (with the residuals our kernel saved) in a table and returns, as an
+extra int64 output, a *handle* to it.  The autograd formula passes that handle
+to the backward op, which calls the pullback for the gradients
+``ctx.needs_input_grad`` asks for: a gradient nobody wants (say the input's of a
+first layer) is never computed.  The table entry lives as long as the handle
+tensor's memory, that is as long as autograd (eager or compiled) keeps it for
+the backward.  If the entry is missing (the op was called directly without
+``wrt``, or is re-run by a graph partitioner), the backward op recomputes the
+forward with ``pnn.vjp`` restricted to the needed gradients — the same result,
+one forward pass dearer.  Backward ops are not themselves differentiable
+(no double backward).
+
+Batch and instance norm have a functional custom op (returning the new running
+statistics) that carries the autograd formula — PyTorch accepts autograd
+formulas only on functional custom ops — and an in-place variant
+(``torch.ops.portable_nn.batch_norm_``, schema ``Tensor(a!)? running_mean``)
+that updates the running statistics and which ``torch.compile`` decomposes
+into the functional op plus a copy.
+
+**Modules** (:class:`LayerNorm`, :class:`BatchNorm2d`, :class:`LSTM`,
+:class:`Conv2d`, :class:`Linear` …) subclass the matching ``torch.nn`` classes
+(the recurrent ones ``torch.nn.RNNBase``): same constructor arguments and
+defaults, parameter and buffer names, initialisation, ``state_dict`` keys and
+``train()``/``eval()`` behaviour, so a model swaps them in and loads its
+existing weights.  Their forward runs our fused kernels, with extra
+keyword-only options the kernels offer (``activation=``, ``channel_axis=``,
+GRU ``reset_after=``).  Arguments we cannot honour raise
+``NotImplementedError`` naming them.
+"""
+
+from __future__ import annotations
+
+from . import _defs  # noqa: F401  (defines and registers the custom ops)
+from ._ops import saved_pullbacks
+from .functional import (
+    avg_pool,
+    batch_norm,
+    conv,
+    cross_entropy,
+    dense,
+    group_norm,
+    gru,
+    gru_cell,
+    instance_norm,
+    layer_norm,
+    log_softmax,
+    lstm,
+    lstm_cell,
+    max_pool,
+    moments,
+    rms_norm,
+    rnn,
+    rnn_cell,
+)
+from .modules import (
+    GRU,
+    LSTM,
+    RNN,
+    BatchNorm1d,
+    BatchNorm2d,
+    BatchNorm3d,
+    Conv1d,
+    Conv2d,
+    Conv3d,
+    GroupNorm,
+    InstanceNorm1d,
+    InstanceNorm2d,
+    InstanceNorm3d,
+    LayerNorm,
+    Linear,
+    RMSNorm,
+)
+
+__all__ = [
+    "GRU",
+    "LSTM",
+    "RNN",
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "BatchNorm3d",
+    "Conv1d",
+    "Conv2d",
+    "Conv3d",
+    "GroupNorm",
+    "InstanceNorm1d",
+    "InstanceNorm2d",
+    "InstanceNorm3d",
+    "LayerNorm",
+    "Linear",
+    "RMSNorm",
+    "avg_pool",
+    "batch_norm",
+    "conv",
+    "cross_entropy",
+    "dense",
+    "group_norm",
+    "gru",
+    "gru_cell",
+    "instance_norm",
+    "layer_norm",
+    "log_softmax",
+    "lstm",
+    "lstm_cell",
+    "max_pool",
+    "moments",
+    "rms_norm",
+    "rnn",
+    "rnn_cell",
+    "saved_pullbacks",
+]
+
+# The classes keep the module path they had before this package was split (pickled models refer to
+# classes by it) and that reprs and docs show; the package re-exports every one of them.
+for _name in __all__:
+    _obj = globals()[_name]
+    if isinstance(_obj, type):
+        _obj.__module__ = __name__
+del _name, _obj

@@ -1,0 +1,673 @@
+"""The drop-in modules of ``portable_nn.torch``: ``torch.nn`` subclasses running our kernels."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
+
+from ...api.activations import ActivationLike, parse_activation
+from .functional import batch_norm, conv, dense, group_norm, gru, instance_norm, layer_norm, lstm, rms_norm, rnn
+
+# =========================================================================== modules
+
+
+def _fused_repr(module: Any) -> str:
+    """What our modules add to ``torch.nn``'s ``extra_repr``: a fused activation, a channels-last layout."""
+    text = "" if module.activation.is_identity else f", activation={module.activation}"
+    return text + ("" if getattr(module, "channel_axis", 1) == 1 else ", channel_axis=-1")
+
+
+def _check_channel_axis(channel_axis: Any) -> int:
+    if channel_axis not in (1, -1):
+        raise ValueError(f"channel_axis must be 1 (channels first) or -1 (channels last), got {channel_axis!r}")
+    return int(channel_axis)
+
+
+class LayerNorm(nn.LayerNorm):
+    """Drop-in ``torch.nn.LayerNorm`` running our fused layer-norm kernels.
+
+    y = act((x − mean) / sqrt(var + eps) · weight + bias) over the trailing
+    ``normalized_shape`` axes.  Constructor arguments, defaults, parameters
+    (``weight`` ones, ``bias`` zeros) and state_dict keys are ``torch.nn``'s.
+
+    Args:
+        normalized_shape, eps, elementwise_affine, bias, device, dtype: as in
+            ``torch.nn.LayerNorm``.
+        activation: keyword-only; an activation fused into the kernel
+            (see :mod:`portable_nn.api.activations`), ``"identity"`` by default.
+    """
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        device: Any = None,
+        dtype: Any = None,
+        *,
+        activation: ActivationLike = "identity",
+    ) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
+        self.activation = parse_activation(activation)
+
+    def forward(self, input: Tensor) -> Tensor:
+        """Normalise ``input`` (``(*, *normalized_shape)``) over its trailing axes."""
+        k = len(self.normalized_shape)
+        if tuple(input.shape[input.ndim - k:]) != tuple(self.normalized_shape):
+            raise ValueError(
+                f"LayerNorm: expected input with shape (*, {', '.join(map(str, self.normalized_shape))}), "
+                f"got {tuple(input.shape)}"
+            )
+        return layer_norm(input, self.weight, self.bias, axis=tuple(range(-k, 0)), eps=self.eps,
+                          activation=self.activation)
+
+    def extra_repr(self) -> str:
+        """``torch.nn``'s description plus the fused activation."""
+        return super().extra_repr() + _fused_repr(self)
+
+
+class RMSNorm(nn.RMSNorm):
+    """Drop-in ``torch.nn.RMSNorm`` running our fused RMS-norm kernels.
+
+    y = x / sqrt(mean(x²) + eps) · weight over the trailing ``normalized_shape``
+    axes; ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in PyTorch.
+    Constructor arguments, parameters and state_dict keys are ``torch.nn``'s.
+    """
+
+    def forward(self, input: Tensor) -> Tensor:
+        """Normalise ``input`` (``(*, *normalized_shape)``) over its trailing axes."""
+        k = len(self.normalized_shape)
+        if tuple(input.shape[input.ndim - k:]) != tuple(self.normalized_shape):
+            raise ValueError(
+                f"RMSNorm: expected input with shape (*, {', '.join(map(str, self.normalized_shape))}), "
+                f"got {tuple(input.shape)}"
+            )
+        eps = torch.finfo(input.dtype).eps if self.eps is None else self.eps
+        return rms_norm(input, self.weight, axis=tuple(range(-k, 0)), eps=eps)
+
+
+class GroupNorm(nn.GroupNorm):
+    """Drop-in ``torch.nn.GroupNorm`` running our fused group-norm kernels.
+
+    Args:
+        num_groups, num_channels, eps, affine, device, dtype: as in ``torch.nn.GroupNorm``.
+        activation: keyword-only fused activation (default ``"identity"``).
+        channel_axis: keyword-only; 1 for ``(N, C, *)`` data (PyTorch's), -1 for
+            channels-last ``(N, *, C)`` data.
+    """
+
+    def __init__(
+        self,
+        num_groups: int,
+        num_channels: int,
+        eps: float = 1e-5,
+        affine: bool = True,
+        device: Any = None,
+        dtype: Any = None,
+        *,
+        activation: ActivationLike = "identity",
+        channel_axis: int = 1,
+    ) -> None:
+        super().__init__(num_groups, num_channels, eps, affine, device, dtype)
+        self.activation = parse_activation(activation)
+        self.channel_axis = _check_channel_axis(channel_axis)
+
+    def forward(self, input: Tensor) -> Tensor:
+        """Normalise ``input`` ``(N, C, *)`` (or ``(N, *, C)``) per sample and channel group."""
+        return group_norm(input, self.num_groups, self.weight, self.bias, eps=self.eps,
+                          channel_axis=self.channel_axis, activation=self.activation)
+
+    def extra_repr(self) -> str:
+        """``torch.nn``'s description plus the fused activation and a channels-last layout."""
+        return super().extra_repr() + _fused_repr(self)
+
+
+def _batch_norm_forward(module: Any, input: Tensor) -> Tensor:
+    """``torch.nn``'s batch-norm module semantics (momentum, cumulative averages, eval) on our kernel."""
+    module._check_input_dim(input)
+    factor = 0.0 if module.momentum is None else module.momentum
+    if module.training and module.track_running_stats and module.num_batches_tracked is not None:
+        module.num_batches_tracked.add_(1)
+        factor = 1.0 / float(module.num_batches_tracked) if module.momentum is None else module.momentum
+    use_batch = module.training or (module.running_mean is None and module.running_var is None)
+    keep = not module.training or module.track_running_stats
+    return batch_norm(
+        input, module.weight, module.bias,
+        running_mean=module.running_mean if keep else None, running_var=module.running_var if keep else None,
+        training=use_batch, momentum=factor, eps=module.eps, channel_axis=module.channel_axis,
+        activation=module.activation,
+    )
+
+
+class _BatchNormMixin:
+    """What our batch-norm modules add to ``torch.nn``'s: the kernel, ``activation=``, ``channel_axis=``."""
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: Any = None,
+        dtype: Any = None,
+        *,
+        bias: bool = True,
+        activation: ActivationLike = "identity",
+        channel_axis: int = 1,
+    ) -> None:
+        # ``bias=`` is recent in torch.nn's norms: pass it only when it changes something.
+        extra = {} if bias else {"bias": False}
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype,  # type: ignore
+                         **extra)
+        self.activation = parse_activation(activation)
+        self.channel_axis = _check_channel_axis(channel_axis)
+
+    def forward(self, input: Tensor) -> Tensor:
+        """Normalise ``input`` per channel (see the class docstring)."""
+        return _batch_norm_forward(self, input)
+
+    def extra_repr(self) -> str:
+        """``torch.nn``'s description plus the fused activation and a channels-last layout."""
+        return super().extra_repr() + _fused_repr(self)  # type: ignore[misc]
+
+
+class BatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):
+    """Drop-in ``torch.nn.BatchNorm1d`` (``(N, C)`` or ``(N, C, L)`` input) on our fused kernels.
+
+    Training normalises with the batch statistics and updates ``running_mean``
+    and ``running_var`` in place (momentum, or a cumulative average when
+    ``momentum=None``, counted in ``num_batches_tracked``); evaluation uses the
+    running statistics — ``torch.nn``'s rules, buffers, initialisation and
+    state_dict keys.
+
+    Args:
+        num_features: the number of channels C.
+        eps: added to the variance for stability.
+        momentum: weight of the batch statistics in the running averages; ``None`` for a
+            cumulative average.
+        affine: whether to learn ``weight`` (ones) and ``bias`` (zeros).
+        track_running_stats: whether to keep ``running_mean``, ``running_var`` and
+            ``num_batches_tracked`` (evaluation then uses them).
+        device: where the parameters and buffers are created.
+        dtype: their dtype.
+        bias: keyword-only; ``False`` drops the learned shift (newer ``torch.nn`` option).
+        activation: keyword-only fused activation (default ``"identity"``), e.g.
+            ``"relu"`` for batch norm + ReLU in one kernel.
+        channel_axis: keyword-only; 1 (PyTorch's layout) or -1 for channels-last data.
+
+    The first eight are ``torch.nn.BatchNorm1d``'s, with its defaults.
+    """
+
+
+class BatchNorm2d(_BatchNormMixin, nn.BatchNorm2d):
+    """Drop-in ``torch.nn.BatchNorm2d`` (``(N, C, H, W)`` input) on our fused kernels.
+
+    Same semantics, buffers and options as :class:`BatchNorm1d`.
+    """
+
+
+class BatchNorm3d(_BatchNormMixin, nn.BatchNorm3d):
+    """Drop-in ``torch.nn.BatchNorm3d`` (``(N, C, D, H, W)`` input) on our fused kernels.
+
+    Same semantics, buffers and options as :class:`BatchNorm1d`.
+    """
+
+
+class _InstanceNormMixin:
+    """What our instance-norm modules add to ``torch.nn``'s: the kernel, ``activation=``, ``channel_axis=``."""
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = False,
+        track_running_stats: bool = False,
+        device: Any = None,
+        dtype: Any = None,
+        *,
+        bias: bool = True,
+        activation: ActivationLike = "identity",
+        channel_axis: int = 1,
+    ) -> None:
+        # ``bias=`` is recent in torch.nn's norms: pass it only when it changes something.
+        extra = {} if bias else {"bias": False}
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype,  # type: ignore
+                         **extra)
+        self.activation = parse_activation(activation)
+        self.channel_axis = _check_channel_axis(channel_axis)
+
+    def forward(self, input: Tensor) -> Tensor:
+        """Normalise each sample's channels over their spatial positions (unbatched input too)."""
+        self._check_input_dim(input)  # type: ignore[attr-defined]
+        unbatched = input.dim() == self._get_no_batch_dim()  # type: ignore[attr-defined]
+        x = input.unsqueeze(0) if unbatched else input
+        channels = x.shape[self.channel_axis]
+        if channels != self.num_features:  # type: ignore[attr-defined]
+            # PyTorch's rule: the parameters' size must match; without them num_features is unused.
+            if self.affine or self.track_running_stats:  # type: ignore[attr-defined]
+                raise ValueError(
+                    f"expected input's size at the channel axis to match num_features "
+                    f"({self.num_features}), but got: {channels}."  # type: ignore[attr-defined]
+                )
+        momentum = 0.0 if self.momentum is None else self.momentum  # type: ignore[attr-defined]
+        y = instance_norm(
+            x, self.weight, self.bias,  # type: ignore[attr-defined]
+            running_mean=self.running_mean, running_var=self.running_var,  # type: ignore[attr-defined]
+            use_input_stats=self.training or not self.track_running_stats,  # type: ignore[attr-defined]
+            momentum=momentum, eps=self.eps, channel_axis=self.channel_axis,  # type: ignore[attr-defined]
+            activation=self.activation,
+        )
+        return y.squeeze(0) if unbatched else y
+
+    def extra_repr(self) -> str:
+        """``torch.nn``'s description plus the fused activation and a channels-last layout."""
+        return super().extra_repr() + _fused_repr(self)  # type: ignore[misc]
+
+
+class InstanceNorm1d(_InstanceNormMixin, nn.InstanceNorm1d):
+    """Drop-in ``torch.nn.InstanceNorm1d`` (``(N, C, L)`` or unbatched ``(C, L)``) on our fused kernels.
+
+    Each sample's channel is normalised over its positions.  With
+    ``track_running_stats=True`` training updates the running statistics in
+    place (``momentum=None`` leaves them unchanged, as in PyTorch) and
+    evaluation normalises with them.  Defaults ``affine=False``,
+    ``track_running_stats=False`` as in ``torch.nn``.
+
+    Args:
+        num_features: the number of channels C.
+        eps: added to the variance for stability.
+        momentum: weight of the batch statistics in the running averages.
+        affine: whether to learn a per-channel ``weight`` and ``bias``.
+        track_running_stats: whether to keep running statistics (evaluation then uses them).
+        device: where the parameters and buffers are created.
+        dtype: their dtype.
+        bias: keyword-only; ``False`` drops the learned shift (newer ``torch.nn`` option).
+        activation: keyword-only fused activation (default ``"identity"``).
+        channel_axis: keyword-only; 1 (PyTorch's layout) or -1 for channels-last data.
+
+    The first eight are ``torch.nn.InstanceNorm1d``'s, with its defaults.
+    """
+
+
+class InstanceNorm2d(_InstanceNormMixin, nn.InstanceNorm2d):
+    """Drop-in ``torch.nn.InstanceNorm2d`` (``(N, C, H, W)`` or ``(C, H, W)``); see :class:`InstanceNorm1d`."""
+
+
+class InstanceNorm3d(_InstanceNormMixin, nn.InstanceNorm3d):
+    """Drop-in ``torch.nn.InstanceNorm3d`` (``(N, C, D, H, W)`` or ``(C, D, H, W)``); see :class:`InstanceNorm1d`."""
+
+
+class _ConvMixin:
+    """What our convolution modules add to ``torch.nn``'s: the kernel, ``activation=``, ``channel_axis=``."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, ...],
+        stride: int | tuple[int, ...] = 1,
+        padding: str | int | tuple[int, ...] = 0,
+        dilation: int | tuple[int, ...] = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device: Any = None,
+        dtype: Any = None,
+        *,
+        activation: ActivationLike = "identity",
+        channel_axis: int = 1,
+    ) -> None:
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation,  # type: ignore
+                         groups, bias, padding_mode, device, dtype)
+        self.activation = parse_activation(activation)
+        self.channel_axis = _check_channel_axis(channel_axis)
+        if padding_mode != "zeros" and self.channel_axis != 1:
+            raise NotImplementedError(
+                f"padding_mode={padding_mode!r} with channel_axis=-1: only zero padding is supported for "
+                "channels-last data (use padding_mode='zeros' or channel_axis=1)"
+            )
+
+    def forward(self, input: Tensor) -> Tensor:
+        """Convolve ``input`` (batched or not) with the fused bias and activation."""
+        padding: Any = self.padding  # type: ignore[attr-defined]
+        if self.padding_mode != "zeros":  # type: ignore[attr-defined]
+            # As torch.nn does: pad explicitly with the mode, then convolve without padding.
+            input = F.pad(input, self._reversed_padding_repeated_twice,  # type: ignore[attr-defined]
+                          mode=self.padding_mode)  # type: ignore[attr-defined]
+            padding = 0
+        return conv(input, self.weight, self.bias, stride=self.stride, padding=padding,  # type: ignore
+                    dilation=self.dilation, groups=self.groups,  # type: ignore[attr-defined]
+                    activation=self.activation, channel_axis=self.channel_axis)
+
+    def extra_repr(self) -> str:
+        """``torch.nn``'s description plus the fused activation and a channels-last layout."""
+        return super().extra_repr() + _fused_repr(self)  # type: ignore[misc]
+
+
+class Conv1d(_ConvMixin, nn.Conv1d):
+    """Drop-in ``torch.nn.Conv1d`` with the bias and an optional activation fused into our kernel.
+
+    Args:
+        in_channels: channels of the input.
+        out_channels: channels of the output.
+        kernel_size: the window, an int or one int per spatial axis.
+        stride: step of the window.
+        padding: zeros added on both sides of each spatial axis, or ``"same"`` or ``"valid"``.
+        dilation: spacing between the window's taps.
+        groups: channel groups convolved separately.
+        bias: whether to learn a bias, added inside the kernel.
+        padding_mode: ``"zeros"``, or ``"reflect"``, ``"replicate"``, ``"circular"``,
+            which pad with ``F.pad`` first, as PyTorch does.
+        device: where the parameters are created.
+        dtype: their dtype.
+        activation: keyword-only fused activation (default ``"identity"``).
+        channel_axis: keyword-only; 1 (``(N, C, L)``, PyTorch's) or -1 for
+            channels-last ``(N, L, C)`` data (zero padding only).
+
+    All but the last two are ``torch.nn.Conv1d``'s, with its defaults.
+
+    Weight ``(out_channels, in_channels/groups, *kernel_size)``, initialisation
+    and state_dict keys are ``torch.nn``'s.
+    """
+
+
+class Conv2d(_ConvMixin, nn.Conv2d):
+    """Drop-in ``torch.nn.Conv2d`` with fused bias and activation; see :class:`Conv1d` for the options."""
+
+
+class Conv3d(_ConvMixin, nn.Conv3d):
+    """Drop-in ``torch.nn.Conv3d`` with fused bias and activation; see :class:`Conv1d` for the options."""
+
+
+class Linear(nn.Linear):
+    """Drop-in ``torch.nn.Linear``: y = act(x · weightᵀ + bias) in one fused kernel.
+
+    Args:
+        in_features, out_features, bias, device, dtype: as in ``torch.nn.Linear``.
+        activation: keyword-only fused activation (default ``"identity"``).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: Any = None,
+        dtype: Any = None,
+        *,
+        activation: ActivationLike = "identity",
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.activation = parse_activation(activation)
+
+    def forward(self, input: Tensor) -> Tensor:
+        """``(*, in_features)`` → ``(*, out_features)``."""
+        return dense(input, self.weight, self.bias, activation=self.activation)
+
+    def extra_repr(self) -> str:
+        """``torch.nn``'s description plus the fused activation."""
+        return super().extra_repr() + _fused_repr(self)
+
+
+# --------------------------------------------------------------------------- recurrent modules
+
+
+def _check_recurrent_args(proj_size: Any) -> None:
+    if proj_size:
+        raise NotImplementedError(
+            f"proj_size={proj_size!r}: LSTM projections are not supported by portable_nn's kernels (use proj_size=0)"
+        )
+
+
+def _packed_output(out: Tensor, packed: PackedSequence, batch_first: bool) -> PackedSequence:
+    """A padded output in the caller's batch order → a PackedSequence laid out like ``packed``."""
+    time_major = out.transpose(0, 1) if batch_first else out
+    n = time_major.shape[1]
+    order = packed.sorted_indices
+    if order is not None:
+        time_major = time_major.index_select(1, order.to(time_major.device))
+    sizes = packed.batch_sizes
+    valid = torch.arange(n)[None, :] < sizes[:, None]
+    data = time_major[: sizes.shape[0]][valid.to(time_major.device)]
+    return PackedSequence(data, packed.batch_sizes, packed.sorted_indices, packed.unsorted_indices)
+
+
+class _Recurrent(nn.RNNBase):
+    """Shared forward of our RNN/LSTM/GRU modules (``torch.nn.RNNBase`` keeps the parameters).
+
+    Subclassing ``RNNBase`` rather than ``torch.nn.LSTM`` keeps ``torch.compile``
+    tracing the module: Dynamo refuses the ``torch.nn.RNN``/``GRU``/``LSTM``
+    classes themselves.
+    """
+
+    _has_cell = False
+
+    def _params(self) -> list[tuple[Any, ...]]:
+        """pnn's list of ``(w_ih, w_hh, b_ih, b_hh)`` per layer and direction, from the registered parameters."""
+        names = self._flat_weights_names
+        per = 4 if self.bias else 2
+        params = []
+        for k in range(len(names) // per):
+            entry = [getattr(self, name) for name in names[k * per:(k + 1) * per]]
+            params.append((*entry, None, None) if per == 2 else tuple(entry))
+        return params
+
+    def _sequence(self, x: Tensor, params: list[tuple[Any, ...]], h0: Any, c0: Any, lengths: Any) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def _run(self, x: Tensor, h0: Tensor | None, c0: Tensor | None, lengths: Any) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """Every layer in one call, or layer by layer with dropout between them when training."""
+        params = self._params()
+        dirs = 2 if self.bidirectional else 1
+        if not (self.training and self.dropout > 0 and self.num_layers > 1):
+            return self._sequence(x, params, h0, c0, lengths)
+        hs, cs = [], []
+        for layer in range(self.num_layers):
+            rows = slice(layer * dirs, (layer + 1) * dirs)
+            x, states = self._sequence(
+                x, params[rows], None if h0 is None else h0[rows], None if c0 is None else c0[rows], lengths)
+            hs.append(states[0])
+            if self._has_cell:
+                cs.append(states[1])
+            if layer < self.num_layers - 1:
+                x = F.dropout(x, self.dropout, training=True)
+        return x, (torch.cat(hs), torch.cat(cs)) if self._has_cell else (torch.cat(hs),)
+
+    def forward(self, input: Tensor | PackedSequence, hx: Any = None, *, lengths: Any = None) -> tuple[Any, Any]:
+        """Run the sequence(s) like ``torch.nn``'s module: ``(output, h_n)`` (LSTM: ``(output, (h_n, c_n))``).
+
+        Args:
+            input: ``(T, N, input_size)`` (``(N, T, ·)`` with ``batch_first``),
+                unbatched ``(T, input_size)``, or a ``PackedSequence``.
+            hx: initial state(s) ``(num_layers*D, N, H)`` (``(num_layers*D, H)``
+                unbatched), a ``(h0, c0)`` pair for LSTM; ``None`` for zeros.
+            lengths: keyword-only, for padded batched input: ``(N,)`` sequence
+                lengths (ints or an integer tensor), as if packed — outputs past a
+                sequence's end are zero and its state is taken at its last step.
+        """
+        packed = input if isinstance(input, PackedSequence) else None
+        batch_dim = 0 if self.batch_first else 1
+        if packed is not None:
+            if lengths is not None:
+                raise ValueError("lengths cannot be given with a PackedSequence input (it has its own)")
+            x, packed_lengths = torch.nn.utils.rnn.pad_packed_sequence(packed, batch_first=self.batch_first)
+            lengths, batched = packed_lengths, True
+        else:
+            x = input
+            if x.dim() not in (2, 3):
+                raise ValueError(f"{type(self).__name__}: expected input to be 2D or 3D, got {x.dim()}D instead")
+            batched = x.dim() == 3
+            if not batched:
+                if lengths is not None:
+                    raise ValueError("lengths needs batched input")
+                x = x.unsqueeze(batch_dim)
+        states = (None, None) if hx is None else (tuple(hx) if self._has_cell else (hx, None))
+        if not batched:
+            for state in states:
+                if state is not None and state.dim() != 2:
+                    raise ValueError(f"for unbatched 2-D input, hx should also be 2-D but got {state.dim()}-D")
+            states = tuple(None if s is None else s.unsqueeze(1) for s in states)
+        out, final = self._run(x, states[0], states[1], lengths)
+        if packed is not None:
+            out = _packed_output(out, packed, self.batch_first)
+        elif not batched:
+            out = out.squeeze(batch_dim)
+            final = tuple(s.squeeze(1) for s in final)
+        return out, (final if self._has_cell else final[0])
+
+
+class LSTM(_Recurrent):
+    """Drop-in ``torch.nn.LSTM`` running our fused LSTM kernels (gate order i, f, g, o).
+
+    Parameters ``weight_ih_l{k}[_reverse]``, ``weight_hh_l{k}[_reverse]``,
+    ``bias_ih_l{k}[_reverse]``, ``bias_hh_l{k}[_reverse]`` with ``torch.nn``'s
+    shapes, initialisation and state_dict keys.  ``forward`` also accepts
+    ``PackedSequence`` input and a ``lengths=`` keyword for padded batches.
+
+    Args:
+        input_size: features of each input step.
+        hidden_size: features of the hidden and cell states.
+        num_layers: stacked layers.
+        bias: whether the layers have ``bias_ih`` and ``bias_hh``.
+        batch_first: whether input and output are ``(N, T, ·)`` rather than ``(T, N, ·)``.
+        dropout: dropout between layers in training, through
+            ``torch.nn.functional.dropout``.
+        bidirectional: whether each layer also runs backwards in time.
+        proj_size: must be 0; projections raise ``NotImplementedError``.
+        device: where the parameters are created.
+        dtype: their dtype.
+
+    These are ``torch.nn.LSTM``'s arguments, with its defaults.
+    """
+
+    _has_cell = True
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        num_layers: int = 1,
+        bias: bool = True,
+        batch_first: bool = False,
+        dropout: float = 0.0,
+        bidirectional: bool = False,
+        proj_size: int = 0,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        _check_recurrent_args(proj_size)
+        super().__init__("LSTM", input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
+                         0, device, dtype)
+
+    def _sequence(self, x: Tensor, params: list[tuple[Any, ...]], h0: Any, c0: Any, lengths: Any) -> tuple[Any, Any]:
+        out, (h_n, c_n) = lstm(x, params, h0, c0, batch_first=self.batch_first, bidirectional=self.bidirectional,
+                               lengths=lengths)
+        return out, (h_n, c_n)
+
+
+class GRU(_Recurrent):
+    """Drop-in ``torch.nn.GRU`` running our fused GRU kernels (gate order r, z, n).
+
+    Parameters, initialisation and state_dict keys are ``torch.nn.GRU``'s;
+    ``forward`` also accepts ``PackedSequence`` input and ``lengths=``.
+
+    Args:
+        input_size: features of each input step.
+        hidden_size: features of the hidden state.
+        num_layers: stacked layers.
+        bias: whether the layers have ``bias_ih`` and ``bias_hh``.
+        batch_first: whether input and output are ``(N, T, ·)`` rather than ``(T, N, ·)``.
+        dropout: dropout between layers in training.
+        bidirectional: whether each layer also runs backwards in time.
+        device: where the parameters are created.
+        dtype: their dtype.
+        reset_after: keyword-only; ``True`` (default) is PyTorch's (and cuDNN's)
+            form n = tanh(W_in x + b_in + r ⊙ (W_hn h + b_hn)); ``False`` the
+            original form n = tanh(W_in x + b_in + W_hn (r ⊙ h) + b_hn), which
+            ``torch.nn.GRU`` does not have (same parameters, other results).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        num_layers: int = 1,
+        bias: bool = True,
+        batch_first: bool = False,
+        dropout: float = 0.0,
+        bidirectional: bool = False,
+        device: Any = None,
+        dtype: Any = None,
+        *,
+        reset_after: bool = True,
+    ) -> None:
+        super().__init__("GRU", input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
+                         0, device, dtype)
+        if not isinstance(reset_after, bool):
+            raise TypeError(f"reset_after must be a bool, got {type(reset_after).__name__}")
+        self.reset_after = reset_after
+
+    def _sequence(self, x: Tensor, params: list[tuple[Any, ...]], h0: Any, c0: Any, lengths: Any) -> tuple[Any, Any]:
+        out, h_n = gru(x, params, h0, reset_after=self.reset_after, batch_first=self.batch_first,
+                       bidirectional=self.bidirectional, lengths=lengths)
+        return out, (h_n,)
+
+    def extra_repr(self) -> str:
+        """``torch.nn``'s description plus ``reset_after=False`` for the original GRU form."""
+        return super().extra_repr() + ("" if self.reset_after else ", reset_after=False")
+
+
+class RNN(_Recurrent):
+    """Drop-in ``torch.nn.RNN`` (Elman, ``tanh`` or ``relu``) running our fused kernels.
+
+    Parameters, initialisation and state_dict keys are ``torch.nn.RNN``'s;
+    ``forward`` also accepts ``PackedSequence`` input and ``lengths=``.
+
+    Args:
+        input_size: features of each input step.
+        hidden_size: features of the hidden state.
+        num_layers: stacked layers.
+        nonlinearity: ``"tanh"`` or ``"relu"``.
+        bias: whether the layers have ``bias_ih`` and ``bias_hh``.
+        batch_first: whether input and output are ``(N, T, ·)`` rather than ``(T, N, ·)``.
+        dropout: dropout between layers in training.
+        bidirectional: whether each layer also runs backwards in time.
+        device: where the parameters are created.
+        dtype: their dtype.
+
+    These are ``torch.nn.RNN``'s arguments, with its defaults.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        num_layers: int = 1,
+        nonlinearity: str = "tanh",
+        bias: bool = True,
+        batch_first: bool = False,
+        dropout: float = 0.0,
+        bidirectional: bool = False,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        if nonlinearity not in ("tanh", "relu"):
+            raise ValueError(f"Unknown nonlinearity '{nonlinearity}'. Select from 'tanh' or 'relu'.")
+        mode = "RNN_TANH" if nonlinearity == "tanh" else "RNN_RELU"
+        super().__init__(mode, input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
+                         0, device, dtype)
+        self.nonlinearity = nonlinearity
+
+    def _sequence(self, x: Tensor, params: list[tuple[Any, ...]], h0: Any, c0: Any, lengths: Any) -> tuple[Any, Any]:
+        out, h_n = rnn(x, params, h0, activation=self.nonlinearity, batch_first=self.batch_first,
+                       bidirectional=self.bidirectional, lengths=lengths)
+        return out, (h_n,)
+
