@@ -38,15 +38,13 @@ from .config import get_backend, get_fallback, set_backend, set_fallback, use_ba
 from .dispatch import (
     BackendStatus,
     Call,
-    Explanation,
     Support,
     available_backends,
-    capabilities,
-    explain,
     register_kernel,
     unregister_kernel,
 )
 from .errors import BackendUnavailableError, FallbackWarning
+from .introspection import Explanation, capabilities, explain
 from .threads import get_num_threads, set_num_threads, use_threads
 
 __version__ = "0.1.0"

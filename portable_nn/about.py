@@ -12,6 +12,7 @@ import platform
 from pathlib import Path
 
 from . import __version__, dispatch
+from .introspection import format_capabilities
 
 #: The distributions ``info`` lists.
 PACKAGES = ("numpy", "scipy", "array-api-compat", "numba", "llvmlite", "torch", "cupy", "jax", "array-api-strict")
@@ -63,5 +64,5 @@ def report() -> str:
         lines.append(f"  {name:12s} {mark:12s} {status.reason}")
     lines += ["", f"numba threading layer: {threading_layer()}", f"kernel cache: {kernel_cache_dir()}", ""]
     lines.append("capabilities (op x backend, from the kernels' declarations):")
-    lines += ["  " + line for line in dispatch.format_capabilities().splitlines()]
+    lines += ["  " + line for line in format_capabilities().splitlines()]
     return "\n".join(lines)

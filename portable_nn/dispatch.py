@@ -1,4 +1,4 @@
-"""Registry of implementations, selection of one per call, and ``explain``.
+"""Registry of implementations and the selection of one per call.
 
 Every public op validates its arguments in :mod:`portable_nn.api` and then
 hands a :class:`Call` to :func:`run`.  A :class:`Call` carries the normalised
@@ -18,7 +18,8 @@ Kernels that work on NumPy arrays declare ``native="numpy"``; dispatch then
 hands them zero-copy NumPy views of CPU torch tensors and wraps their results
 back into tensors, so torch users get the CPU kernels without a copy.  GPU
 kernels declare ``native="cupy"`` and get zero-copy CuPy views of CUDA torch
-tensors, run on torch's current stream (:class:`Bridge`).
+tensors, run on torch's current stream (:class:`~portable_nn.bridge.Bridge`).  What a call would run,
+and why, is :func:`portable_nn.explain` (:mod:`portable_nn.introspection`).
 """
 
 from __future__ import annotations
@@ -32,24 +33,22 @@ import json
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import _arrays, config
+from .bridge import Bridge, NoGrad
 from .errors import BackendUnavailableError, FallbackWarning
 
 __all__ = [
     "BackendStatus",
     "Call",
-    "Explanation",
     "Implementation",
     "Support",
     "available_backends",
     "backend_names",
-    "capabilities",
-    "explain",
     "op_names",
     "register_kernel",
 ]
@@ -184,7 +183,7 @@ class Support:
     A call is taken only when every declared rule holds: family, device kind,
     dtype, layout, mixed precision, then the ``check`` predicate.  Kernel bodies
     can therefore rely on the declaration without re-checking.  The same
-    declarations build :func:`capabilities` and the reasons :func:`explain`
+    declarations build :func:`~portable_nn.capabilities` and the reasons :func:`~portable_nn.explain`
     gives.
 
     Args:
@@ -399,8 +398,8 @@ def register_kernel(
     The kernel then runs wherever its :class:`Support` accepts a call: under
     ``auto`` in ``priority`` order (ahead of the built-in kernels by default),
     or whenever its backend is forced with ``set_backend``/``use_backend``.  It
-    appears in :func:`capabilities`, :func:`available_backends` and
-    :func:`explain` like a built-in one.
+    appears in :func:`~portable_nn.capabilities`, :func:`available_backends` and
+    :func:`~portable_nn.explain` like a built-in one.
 
     Args:
         op: the op it implements (``"layer_norm"`` …: any dispatched op, every
@@ -862,71 +861,6 @@ def _report_fallback(call: Call, impl: Implementation, declined: list[tuple[str,
 # --------------------------------------------------------------------------- running
 
 
-class Bridge:
-    """Moves arrays between the caller's library and an implementation's native one.
-
-    Two bridges exist, both zero-copy: CPU torch tensors to NumPy views for
-    ``native="numpy"`` kernels, and CUDA torch tensors to CuPy views for
-    ``native="cupy"`` kernels.  A CuPy-native kernel runs inside
-    :meth:`context`: the arrays' device is current and, for torch tensors,
-    CuPy's current stream is torch's current stream, so the kernels order
-    themselves with the caller's PyTorch work without a synchronisation.
-    """
-
-    def __init__(self, family: str, native: str | None, device: str = "cpu", dtype: str | None = None) -> None:
-        self.family = family
-        self.native = native
-        self.device = device
-        self.dtype = dtype
-        self.active = family == "torch" and native in ("numpy", "cupy")
-
-    def inward(self, value: Any) -> Any:
-        if not self.active or value is None:
-            return value
-        if isinstance(value, (tuple, list)):  # structured buffers (an RNN's params)
-            return type(value)(self.inward(v) for v in value)
-        if not _arrays.is_array(value):
-            return value
-        if self.native == "cupy":
-            return _arrays.to_cupy_view(value)
-        return _arrays.to_numpy_view(value)
-
-    def outward(self, value: Any) -> Any:
-        if not self.active or value is None:
-            return value
-        if isinstance(value, tuple):
-            return tuple(self.outward(v) for v in value)
-        if isinstance(value, list):
-            return [self.outward(v) for v in value]
-        if self.native == "cupy":
-            return _arrays.from_cupy_like(value, self.family, self.dtype)
-        return _arrays.from_numpy_like(value, self.family)
-
-    def native_namespace(self) -> Any:
-        """The array-API namespace the kernel sees for bridged arrays."""
-        if self.native == "cupy":
-            import array_api_compat.cupy as cp_xp
-
-            return cp_xp
-        return _arrays.NUMPY_NAMESPACE
-
-    def context(self) -> Any:
-        """Where a CuPy-native kernel runs: the arrays' device and, for torch, torch's stream."""
-        if self.native != "cupy" or _arrays.device_kind(self.device) != "cuda":
-            return contextlib.nullcontext()
-        import cupy
-
-        stack = contextlib.ExitStack()
-        index = _arrays.cuda_index(self.device)
-        stack.enter_context(cupy.cuda.Device(index))
-        if self.family == "torch":
-            import torch
-
-            stream = torch.cuda.current_stream(index)
-            stack.enter_context(cupy.cuda.ExternalStream(stream.cuda_stream, index))
-        return stack
-
-
 def _bridge_call(
     call: Call, selection: Selection, bridge: Bridge, save: bool, needs: frozenset[str] | None
 ) -> Call:
@@ -940,25 +874,6 @@ def _bridge_call(
         return call.replace(arrays=arrays, xp=bridge.native_namespace(), family=bridge.native, save=save,
                             needs=needs)
     return call.replace(arrays=arrays, save=save, needs=needs)
-
-
-class _NoGrad:
-    """``torch.no_grad()`` for torch calls, nothing otherwise."""
-
-    def __init__(self, family: str) -> None:
-        self.ctx = None
-        if family == "torch":
-            import torch
-
-            self.ctx = torch.no_grad()
-
-    def __enter__(self) -> None:
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
 
 
 @dataclass
@@ -983,7 +898,7 @@ class Executed:
             raise BackendUnavailableError(f"{self.impl.backend} has no backward for {self.impl.op}")
         cts = tuple(self.bridge.inward(c) for c in cotangents)
         buffers = {k: self.bridge.inward(v) for k, v in out.items() if v is not None}
-        with _NoGrad(self.family), self.bridge.context(), self.impl.runtime_scope():
+        with NoGrad(self.family), self.bridge.context(), self.impl.runtime_scope():
             grads = fn(self.residuals, cts, needs, buffers)
         return {k: self.bridge.outward(v) for k, v in grads.items()}
 
@@ -1001,177 +916,6 @@ def run(call: Call, need_backward: bool = False, needs: frozenset[str] | None = 
     impl = selection.impl
     bridge = Bridge(call.family, impl.supports.native, call.device, call.dtype)
     inner = _bridge_call(call, selection, bridge, need_backward, needs)
-    with _NoGrad(call.family), bridge.context(), impl.runtime_scope():
+    with NoGrad(call.family), bridge.context(), impl.runtime_scope():
         outputs, residuals = impl.forward_fn()(inner)
     return Executed(bridge.outward(tuple(outputs)), residuals, impl, bridge, call.family)
-
-
-# --------------------------------------------------------------------------- introspection
-
-
-@dataclass
-class Explanation:
-    """What :func:`explain` found: the implementation that would run and why.
-
-    ``str()`` gives a readable multi-line report.
-
-    Attributes:
-        op: the op name.
-        backend: the backend whose implementation would run (``""`` when the
-            call would raise).
-        requested: the configured backend, ``"auto"`` unless forced.
-        source: where the request came from (``"default"``, ``"set_backend"``,
-            ``"use_backend (conv=numba)"``, the environment variable …).
-        copies: names of the arrays dispatch would copy to C order first.
-        passed_over: ``(backend, reason)`` for every other implementation, in
-            preference order: why it declined or that it ranks lower.
-        fallback: whether a kernel that targets these arrays declined the call
-            (what ``set_fallback`` warns or errors about).
-        call: the validated :class:`Call`.
-        error: the :class:`BackendUnavailableError` message
-            the call would raise, or ``None``.
-    """
-
-    op: str
-    backend: str
-    requested: str
-    source: str
-    copies: list[str]
-    passed_over: list[tuple[str, str]]
-    fallback: bool
-    call: Call
-    error: str | None = None
-
-    @property
-    def implementation(self) -> str:
-        """The chosen implementation as ``"op[backend]"``, e.g. ``"layer_norm[numba]"``."""
-        return f"{self.op}[{self.backend}]"
-
-    def __str__(self) -> str:
-        c = self.call
-        lines = [
-            f"{self.op} on {_arrays.describe_family(c.family)} (device {c.device}, dtype {c.dtype}"
-            + (f", layout {c.layout})" if c.layout else ")"),
-            f"  backend requested: {self.requested} (from {self.source})",
-        ]
-        if self.error is not None:
-            lines.append(f"  would raise BackendUnavailableError: {self.error}")
-            return "\n".join(lines)
-        lines.append(f"  runs: {self.implementation}")
-        lines.append(
-            "  copies: "
-            + (", ".join(f"{n} made C-contiguous" for n in self.copies) if self.copies else "none")
-        )
-        if self.fallback:
-            lines.append("  fallback: a kernel for these arrays declined the call")
-        for backend, reason in self.passed_over:
-            lines.append(f"  passed over {backend}: {reason}")
-        return "\n".join(lines)
-
-
-def explain_call(call: Call) -> Explanation:
-    """The :class:`Explanation` for an already validated call."""
-    requested, source = config.get_backend(call.op)
-    try:
-        sel = select(call, report=False)
-    except BackendUnavailableError as exc:
-        return Explanation(call.op, "", requested, source, [], [], False, call, str(exc))
-    passed = list(sel.passed_over)
-    seen = {b for b, _ in passed} | {sel.impl.backend}
-    for impl in implementations(call.op):
-        if impl.backend not in seen:
-            reason, _ = _candidate_reason(impl, call, False)
-            if reason is None:
-                reason = (f"not requested ({requested} forced by {source})" if requested != "auto"
-                          else f"lower priority than {sel.impl.backend}")
-            passed.append((impl.backend, reason))
-    return Explanation(call.op, sel.impl.backend, requested, source, sel.copies, passed, sel.fallback, call)
-
-
-def explain(op: Any, *args: Any, **kwargs: Any) -> Explanation:
-    """Which implementation ``op(*args, **kwargs)`` would run, and why.
-
-    Nothing is computed: the arguments are validated as the op would, then
-    dispatch reports its choice under the current configuration, any
-    contiguous copies, and why every other candidate was passed over.  A forced
-    backend that cannot run the call is reported in ``error`` rather than
-    raised, and ``set_fallback`` does not warn or raise here.
-
-    Args:
-        op: a public op (``pnn.layer_norm``) or its name.
-        *args: the op's positional arguments, as for a plain call.
-        **kwargs: the op's keyword arguments, as for a plain call.
-
-    Returns:
-        An :class:`Explanation`; ``str()`` of it is a readable report and
-        ``.implementation`` names the choice, e.g. ``"layer_norm[numba]"``.
-
-    Raises:
-        TypeError: ``op`` is not a portable_nn op, or an argument has a type the
-            op rejects.
-        ValueError: an argument value the op rejects.
-    """
-    from .api._common import spec_of
-
-    spec = spec_of(op)
-    prepared = spec.prepare(*args, **kwargs)
-    return explain_call(prepared.call)
-
-
-def capabilities() -> list[dict[str, str]]:
-    """The op × backend table, from the implementations' own declarations.
-
-    Built from each registered implementation's :class:`Support`, the same
-    declarations dispatch checks, so it cannot drift from the code; ``python -m
-    portable_nn info`` prints it.
-
-    Returns:
-        One dict of strings per (op, implementation), ops in a fixed order and
-        implementations in ``auto`` preference order (reference last), with
-        keys ``op``, ``backend``, ``arrays`` (families and devices, e.g.
-        ``"numpy/torch on cpu"``), ``dtypes``, ``layouts``, ``notes``
-        (contiguity, zero-copy bridges, forward-only, the kernel's
-        description) and ``available`` (``"yes"``/``"no"`` on this machine).
-    """
-    rows = []
-    for op in OPS:
-        for impl in implementations(op):
-            s = impl.supports
-            notes = []
-            if s.contiguous:
-                notes.append("copies strided input to C order")
-            if s.native == "numpy":
-                notes.append("torch CPU tensors zero-copy")
-            elif s.native == "cupy":
-                notes.append("torch CUDA tensors zero-copy, on torch's stream")
-            if impl.backward is None:
-                notes.append("forward only")
-            if s.description:
-                notes.append(s.description)
-            rows.append(
-                {
-                    "op": op,
-                    "backend": impl.backend,
-                    "arrays": (
-                        ("/".join(s.families) if s.families else "any")
-                        + " on "
-                        + ("/".join(s.devices) if s.devices else "any device")
-                    ),
-                    "dtypes": ", ".join(s.dtypes) if s.dtypes else "all floating",
-                    "layouts": ", ".join(s.layouts) if s.layouts else "all",
-                    "notes": "; ".join(notes),
-                    "available": "yes" if backend_status(impl.backend) else "no",
-                }
-            )
-    return rows
-
-
-def format_capabilities(rows: Iterable[Mapping[str, str]] | None = None) -> str:
-    """The capability table as aligned text (used by ``python -m portable_nn info``)."""
-    rows = list(capabilities() if rows is None else rows)
-    columns = ("op", "backend", "arrays", "dtypes", "layouts", "available", "notes")
-    widths = {c: max([len(c), *(len(r[c]) for r in rows)]) for c in columns}
-    lines = ["  ".join(c.ljust(widths[c]) for c in columns).rstrip()]
-    lines.append("  ".join("-" * widths[c] for c in columns))
-    lines += ["  ".join(r[c].ljust(widths[c]) for c in columns).rstrip() for r in rows]
-    return "\n".join(lines)

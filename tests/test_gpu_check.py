@@ -20,6 +20,7 @@ from portable_nn import dispatch, gpu_check
 from portable_nn.bench import Report, Row
 from portable_nn.bench.gpu import goal_checks
 from portable_nn.bench.workloads import CPU, WORKLOADS, Placement
+from portable_nn.bridge import Bridge
 
 
 def _report() -> Report:
@@ -149,9 +150,9 @@ def test_cpu_placement_keeps_workloads_as_they_were():
 
 def test_bridge_is_inactive_for_native_arrays_and_numpy_for_cpu_torch():
     torch = pytest.importorskip("torch")
-    assert not dispatch.Bridge("numpy", "numpy").active
-    assert not dispatch.Bridge("cupy", "cupy", "cuda:0").active  # CuPy arrays need no bridge
-    bridge = dispatch.Bridge("torch", "numpy")
+    assert not Bridge("numpy", "numpy").active
+    assert not Bridge("cupy", "cupy", "cuda:0").active  # CuPy arrays need no bridge
+    bridge = Bridge("torch", "numpy")
     t = torch.ones(3)
     view = bridge.inward(t)
     assert isinstance(view, np.ndarray) and np.shares_memory(view, t.numpy())

@@ -1,0 +1,99 @@
+"""Zero-copy bridges between the caller's array library and a kernel's native one.
+
+CPU torch tensors reach ``native="numpy"`` kernels as NumPy views, CUDA torch tensors reach
+``native="cupy"`` kernels as CuPy views (run on torch's current stream), and results go back as
+tensors sharing the kernels' memory.  Dispatch builds one :class:`Bridge` per call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from . import _arrays
+
+__all__ = ["Bridge", "NoGrad"]
+
+
+class Bridge:
+    """Moves arrays between the caller's library and an implementation's native one.
+
+    Two bridges exist, both zero-copy: CPU torch tensors to NumPy views for
+    ``native="numpy"`` kernels, and CUDA torch tensors to CuPy views for
+    ``native="cupy"`` kernels.  A CuPy-native kernel runs inside
+    :meth:`context`: the arrays' device is current and, for torch tensors,
+    CuPy's current stream is torch's current stream, so the kernels order
+    themselves with the caller's PyTorch work without a synchronisation.
+    """
+
+    def __init__(self, family: str, native: str | None, device: str = "cpu", dtype: str | None = None) -> None:
+        self.family = family
+        self.native = native
+        self.device = device
+        self.dtype = dtype
+        self.active = family == "torch" and native in ("numpy", "cupy")
+
+    def inward(self, value: Any) -> Any:
+        if not self.active or value is None:
+            return value
+        if isinstance(value, (tuple, list)):  # structured buffers (an RNN's params)
+            return type(value)(self.inward(v) for v in value)
+        if not _arrays.is_array(value):
+            return value
+        if self.native == "cupy":
+            return _arrays.to_cupy_view(value)
+        return _arrays.to_numpy_view(value)
+
+    def outward(self, value: Any) -> Any:
+        if not self.active or value is None:
+            return value
+        if isinstance(value, tuple):
+            return tuple(self.outward(v) for v in value)
+        if isinstance(value, list):
+            return [self.outward(v) for v in value]
+        if self.native == "cupy":
+            return _arrays.from_cupy_like(value, self.family, self.dtype)
+        return _arrays.from_numpy_like(value, self.family)
+
+    def native_namespace(self) -> Any:
+        """The array-API namespace the kernel sees for bridged arrays."""
+        if self.native == "cupy":
+            import array_api_compat.cupy as cp_xp
+
+            return cp_xp
+        return _arrays.NUMPY_NAMESPACE
+
+    def context(self) -> Any:
+        """Where a CuPy-native kernel runs: the arrays' device and, for torch, torch's stream."""
+        if self.native != "cupy" or _arrays.device_kind(self.device) != "cuda":
+            return contextlib.nullcontext()
+        import cupy
+
+        stack = contextlib.ExitStack()
+        index = _arrays.cuda_index(self.device)
+        stack.enter_context(cupy.cuda.Device(index))
+        if self.family == "torch":
+            import torch
+
+            stream = torch.cuda.current_stream(index)
+            stack.enter_context(cupy.cuda.ExternalStream(stream.cuda_stream, index))
+        return stack
+
+
+class NoGrad:
+    """``torch.no_grad()`` for torch calls, nothing otherwise."""
+
+    def __init__(self, family: str) -> None:
+        self.ctx = None
+        if family == "torch":
+            import torch
+
+            self.ctx = torch.no_grad()
+
+    def __enter__(self) -> None:
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
