@@ -29,8 +29,6 @@ import ctypes.util
 import importlib
 import importlib.util
 import inspect
-import json
-import os
 import threading
 import warnings
 from collections.abc import Callable, Mapping
@@ -38,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import _arrays, config
+from . import _arrays, config, preference
 from .bridge import Bridge, NoGrad
 from .errors import BackendUnavailableError, FallbackWarning
 
@@ -565,47 +563,21 @@ def implementations(op: str) -> list[Implementation]:
 
 
 # --------------------------------------------------------------------------- measured GPU preference
-
-#: The two GPU backends' static order under ``auto`` comes from their registered
-#: priorities; ``python -m portable_nn gpu-check --save-preference`` replaces it per op
-#: with the faster one measured on this machine's GPU, stored in this JSON file.
-PREFERENCE_ENV = "PORTABLE_NN_GPU_PREFERENCE"
-_preference: dict[str, str] | None = None
-
-
-def preference_path() -> Path:
-    """Where the measured GPU preference lives (``$PORTABLE_NN_GPU_PREFERENCE`` or the user cache)."""
-    env = os.environ.get(PREFERENCE_ENV)
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "portable_nn" / "gpu_preference.json"
+# (stored by portable_nn.preference; here it only reorders the built-in kernels)
 
 
 def gpu_preference() -> dict[str, str]:
     """``{op: backend}`` measured by ``gpu-check`` (empty: the static order applies)."""
-    global _preference
-    if _preference is None:
-        try:
-            data = json.loads(preference_path().read_text())
-            prefs = data.get("preference", {}) if isinstance(data, dict) else {}
-            _preference = {op: b for op, b in prefs.items() if op in OPS and isinstance(b, str)}
-        except (OSError, ValueError):
-            _preference = {}
-    return _preference
+    return preference.load(OPS)
 
 
-def save_gpu_preference(preference: Mapping[str, str], measured_on: str) -> Path:
+def save_gpu_preference(measured: Mapping[str, str], measured_on: str) -> Path:
     """Store ``{op: backend}`` as the ``auto`` order between GPU backends; returns the file."""
-    global _preference
-    unknown = [op for op in preference if op not in OPS]
+    unknown = [op for op in measured if op not in OPS]
     if unknown:
         raise ValueError(f"save_gpu_preference: unknown ops {unknown}")
-    path = preference_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"measured_on": measured_on, "preference": dict(preference)}, indent=2))
     with _registry_lock:
-        _preference = dict(preference)
+        path = preference.store(measured, measured_on)
         _forget_choices()
     return path
 

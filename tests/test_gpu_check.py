@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import portable_nn as pnn
-from portable_nn import dispatch, gpu_check
+from portable_nn import dispatch, gpu_check, preference
 from portable_nn.bench import Report, Row
 from portable_nn.bench.gpu import goal_checks
 from portable_nn.bench.workloads import CPU, WORKLOADS, Placement
@@ -107,33 +107,33 @@ def _impl(backend: str, priority: int) -> dispatch.Implementation:
 
 
 def test_preference_file_round_trip_and_order(tmp_path, monkeypatch):
-    monkeypatch.setenv(dispatch.PREFERENCE_ENV, str(tmp_path / "pref.json"))
-    monkeypatch.setattr(dispatch, "_preference", None)
+    monkeypatch.setenv(preference.PREFERENCE_ENV, str(tmp_path / "pref.json"))
+    monkeypatch.setattr(preference, "_cached", None)
     assert dispatch.gpu_preference() == {}  # no file: the static order
     impls = [_impl("gpu_a", 4), _impl("gpu_b", 3)]
     assert dispatch._effective_priority(impls[1], impls) == 3
     try:
         path = dispatch.save_gpu_preference({"layer_norm": "gpu_b"}, "test GPU")
         assert json.loads(path.read_text())["preference"] == {"layer_norm": "gpu_b"}
-        monkeypatch.setattr(dispatch, "_preference", None)  # a new process reads the file
+        monkeypatch.setattr(preference, "_cached", None)  # a new process reads the file
         assert dispatch.gpu_preference() == {"layer_norm": "gpu_b"}
         assert dispatch._effective_priority(impls[1], impls) > dispatch._effective_priority(impls[0], impls)
         with pytest.raises(ValueError, match="unknown ops"):
             dispatch.save_gpu_preference({"frobnicate": "gpu_a"}, "test GPU")
     finally:
-        monkeypatch.setattr(dispatch, "_preference", None)
+        monkeypatch.setattr(preference, "_cached", None)
         dispatch._forget_choices()
 
 
 def test_a_corrupt_preference_file_is_ignored(tmp_path, monkeypatch):
     bad = tmp_path / "pref.json"
     bad.write_text("{not json")
-    monkeypatch.setenv(dispatch.PREFERENCE_ENV, str(bad))
-    monkeypatch.setattr(dispatch, "_preference", None)
+    monkeypatch.setenv(preference.PREFERENCE_ENV, str(bad))
+    monkeypatch.setattr(preference, "_cached", None)
     try:
         assert dispatch.gpu_preference() == {}
     finally:
-        monkeypatch.setattr(dispatch, "_preference", None)
+        monkeypatch.setattr(preference, "_cached", None)
 
 
 # --------------------------------------------------------------------------- placement and bridge

@@ -1,0 +1,156 @@
+"""JAX adapter: every portable_nn op as a JAX function with a ``jax.custom_vjp``.
+
+``import portable_nn.jax as pnj`` gives the ops of :mod:`portable_nn` with the same
+signatures and semantics (``pnj.layer_norm(x, w, b, activation="gelu")``), as
+functions JAX can transform: ``jax.grad``, ``jax.vjp``, ``jax.jit`` and
+``jax.vmap`` all work, and the gradients are portable_nn's own fused backward
+kernels, not JAX's differentiation of the forward.
+
+Which kernels run
+-----------------
+Each call takes one of two routes, chosen when the call is traced (once per
+compilation under ``jit``; ``explain`` tells which one a call gets):
+
+* **Numba kernels through a host callback** (``"callback"``).  On the CPU the
+  array data is handed to portable_nn's Numba kernels as NumPy arrays: under
+  ``jit`` (and any other transformation) through ``jax.pure_callback`` — an
+  XLA custom call that gives the kernel the buffers (zero-copy on the CPU) and
+  returns its results — and eagerly through a plain call on ``np.asarray``
+  views.  Gradients run the fused backward kernel in a second callback.  A
+  kernel's saved intermediates are NumPy objects that cannot live inside a
+  JAX program, so the backward callback re-runs the forward kernel to rebuild
+  them: a gradient costs one extra forward (the price JAX's ``checkpoint``
+  pays), and the gradients nobody differentiates (``jax.grad`` of the weights
+  only, a running statistic…) are neither computed nor allocated.  XLA cannot
+  fuse across a callback, and a callback runs each vmapped example in turn
+  (``vmap_method="sequential"``).
+* **The reference traced with jax.numpy** (``"traced"``).  portable_nn's
+  array-API reference implementation, forward and hand-written backward, is
+  traced with ``jax.numpy`` as its namespace, so XLA compiles it for whatever
+  device the program runs on (CPU, GPU, TPU), fuses it with its neighbours and
+  vmaps it natively.  Its backward re-traces the forward to rebuild the
+  intermediates; under ``jit`` XLA merges that with the forward pass, so it
+  costs nothing.  Outside ``jit`` it runs operation by operation, each JAX
+  primitive compiled on first use: put models under ``jit``.
+
+The route follows portable_nn's backend configuration for the op
+(``pnn.use_backend``, ``pnn.set_backend``, ``PORTABLE_NN_BACKEND``), read at
+trace time:
+
+* ``"auto"`` (the default): on the CPU, the recurrent sequences (``rnn``,
+  ``lstm``, ``gru``) take the callback route when dispatch would run a kernel
+  on NumPy arrays of the call's shapes, dtype and layout (the Numba kernels
+  take float32 and float64); every other op, and every op when JAX runs on a
+  GPU or TPU, takes the traced reference.  The reason is measured: XLA fuses
+  the elementwise and reduction work of norms, dense, pooling, losses and
+  cells as well as portable_nn's kernels do, and without a host round trip or
+  a recomputed forward, so the traced reference was as fast or faster in
+  ``jit(grad(...))`` for those ops (up to ~4x); the time loop of a recurrent
+  layer is where XLA, given a trace unrolled over every time step, falls
+  behind: the Numba sequence kernels ran the gradient 2-7x faster, and the
+  unrolled trace can take minutes to compile for long sequences.
+* ``"reference"``: always the traced reference.
+* any other backend (``"numba"``, or one added with ``pnn.register_kernel``):
+  the callback route on that backend, or ``BackendUnavailableError`` at trace
+  time when it cannot take the call (a float16 call forced to ``"numba"``).
+
+``jit`` compiles the route in: changing the configuration later does not
+change an already compiled function (``jax.clear_caches()`` or a new ``jit``
+does).
+
+Transformations
+---------------
+``jax.grad``/``jax.vjp``/``jax.value_and_grad`` use the custom_vjp;
+``jax.jit`` compiles either route; ``jax.vmap`` batches the traced reference
+natively and loops a callback over the examples.  Forward mode (``jax.jvp``,
+``jax.jacfwd``, forward-over-reverse Hessians) raises JAX's "can't apply
+forward-mode autodiff (jvp) to a custom_vjp function".  Reverse-over-reverse
+(``grad`` of ``grad``) works on the traced route, where it differentiates the
+reference's backward code; a callback has no derivative, so on the callback
+route JAX raises "Pure callbacks do not support JVP".  float64 needs
+``jax.config.update("jax_enable_x64", True)``, as everywhere in JAX.
+
+Arguments
+---------
+Array arguments are JAX arrays (NumPy arrays are accepted and converted).
+Every other argument — shapes, axes, activation names, stride, padding, eps,
+momentum, flags — is static: a Python value fixed at trace time, never a
+traced value.  Arguments are validated when the call is traced, with
+portable_nn's messages (``ValueError``/``TypeError`` naming the argument).
+
+Gradients flow to the arguments of each op's ``vjp`` fields (``x``,
+``weight``, ``bias``, the RNN ``params``, states, ``logits``, a probability
+``target``).  Integer ``target`` of ``cross_entropy`` and the ``lengths`` of
+sequences get none; neither do running statistics, and class ``weight`` of
+``cross_entropy``: differentiating with respect to one of those raises
+``ValueError`` (wrap it in ``jax.lax.stop_gradient``).  The updated running
+statistics are returned functionally — JAX arrays are immutable, so
+``batch_norm``/``instance_norm`` need ``return_stats=True`` whenever they
+update running statistics, and return ``(y, new_running_mean,
+new_running_var)``; the new statistics carry no gradient.
+
+Values are checked where they can be read: integer class targets and
+``lengths`` given as concrete arrays are checked at trace time.  Under ``jit``
+a traced ``lengths`` works on the callback route only (it is read by the
+kernel at run time, and checked there); the traced reference needs concrete
+``lengths`` (close over a NumPy array or a tuple).  A traced integer target is
+range-checked inside the callback on the callback route and not at all on the
+traced route.
+"""
+
+from __future__ import annotations
+
+from ...api import merge_moments
+from ._ops import Route, explain, reference_autodiff
+from .functional import (
+    avg_pool,
+    batch_norm,
+    conv,
+    cross_entropy,
+    dense,
+    group_norm,
+    gru,
+    gru_cell,
+    instance_norm,
+    layer_norm,
+    log_softmax,
+    lstm,
+    lstm_cell,
+    max_pool,
+    moments,
+    rms_norm,
+    rnn,
+    rnn_cell,
+)
+
+__all__ = [
+    "Route",
+    "avg_pool",
+    "batch_norm",
+    "conv",
+    "cross_entropy",
+    "dense",
+    "explain",
+    "group_norm",
+    "gru",
+    "gru_cell",
+    "instance_norm",
+    "layer_norm",
+    "log_softmax",
+    "lstm",
+    "lstm_cell",
+    "max_pool",
+    "merge_moments",
+    "moments",
+    "reference_autodiff",
+    "rms_norm",
+    "rnn",
+    "rnn_cell",
+]
+
+# Classes keep the module path they had before this package was split (reprs, docs, pickles).
+for _name in __all__:
+    _obj = globals()[_name]
+    if isinstance(_obj, type):
+        _obj.__module__ = __name__
+del _name, _obj
