@@ -22,12 +22,9 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _numba_cuda_sim_checks import as_f64, rel
+from _numba_cuda_sim_checks import as_f64, rel  # run as a script: its own folder is on sys.path
 
 #: Backend name the simulator registration uses.
 SIM_BACKEND = "numba_cuda_sim"

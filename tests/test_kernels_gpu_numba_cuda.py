@@ -27,8 +27,7 @@ import portable_nn as pnn
 from portable_nn import dispatch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import _numba_cuda_sim_checks as sim  # noqa: E402
+import _numba_cuda_sim_checks as sim  # noqa: E402  (tests/ is on pytest's pythonpath)
 
 HAS_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
 needs_numba_cuda = pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is not installed")
