@@ -5,19 +5,11 @@ from __future__ import annotations
 import pytest
 
 import portable_nn as pnn
-
-
-def _cupy_has_device() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
+from pnn_testing import cupy_has_device
 
 
 def pytest_collection_modifyitems(config, items):
-    if any(item.get_closest_marker("gpu") for item in items) and not _cupy_has_device():
+    if any(item.get_closest_marker("gpu") for item in items) and not cupy_has_device():
         skip = pytest.mark.skip(reason="needs a CUDA device visible to CuPy")
         for item in items:
             if item.get_closest_marker("gpu"):

@@ -26,16 +26,22 @@ HAS_STRICT = importlib.util.find_spec("array_api_strict") is not None
 
 
 
-def _gpu_libs() -> tuple[str, ...]:
-    """``cupy`` and ``torch_cuda`` (CUDA torch tensors) when CuPy sees a device."""
+def cupy_has_device() -> bool:
+    """Whether CuPy is installed and sees a CUDA device: the one GPU check of the tests (the
+    ``gpu``-marked ones are skipped without it, see conftest.py)."""
     if importlib.util.find_spec("cupy") is None:
-        return ()
+        return False
     try:
         import cupy
 
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return ()
+        return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:
+        return False
+
+
+def _gpu_libs() -> tuple[str, ...]:
+    """``cupy`` and ``torch_cuda`` (CUDA torch tensors) when CuPy sees a device."""
+    if not cupy_has_device():
         return ()
     libs = ["cupy"]
     if HAS_TORCH:
