@@ -799,20 +799,6 @@ def _col_expand(a, q):
 
 
 @njit(**_OPTS)
-def _col_shift(x3, q, center):
-    """Each column's shift: its group's first element (every column of a group shares it), or 0."""
-    nn, w = x3.shape[0], x3.shape[2]
-    shift = np.zeros((nn, w))
-    if center and x3.shape[1] > 0:
-        for i in range(nn):
-            for j0 in range(0, w, q):
-                v = np.float64(x3[i, 0, j0])
-                for j in range(j0, j0 + q):
-                    shift[i, j] = v
-    return shift
-
-
-@njit(**_OPTS)
 def _col_stats(s1, s2, shift, q, n, center, eps, mean, var, rstd):
     """Per-group mean, population variance and 1/sqrt(var + eps) from the tasks' per-column partial
     shifted sums, folded in a fixed order (tasks, then the group's columns)."""
@@ -898,7 +884,8 @@ def _columns_forward(x4, w, b, y4, mean, rstd, var, train, center, eps, code, sl
         var[...] = 0.0
         rstd[...] = 1.0 / np.sqrt(eps)
     elif train:
-        shift = _col_shift(x3, q, center)
+        # Each column's shift: its group's first element (every column of a group shares it), or 0.
+        shift = _col_expand(x3[:, 0, ::q], q) if center else np.zeros((nn, c * q))
         s1 = np.empty((nn, tasks, c * q))
         s2 = np.empty((nn, tasks, c * q))
         _run(_col_sums_parallel, _col_sums_serial, x3.size, x3, shift, s1, s2, rows)

@@ -88,8 +88,6 @@ from ._blas import parallel_gemm
 _OPTS = {"cache": True, "error_model": "numpy", "nogil": True, "fastmath": {"contract"}}
 _INLINE = {**_OPTS, "inline": "always"}
 
-# Runtime cell codes (portable_nn.kernel_codes): one compiled function serves every kind.
-_GATES = GATES
 
 # float32 constants: exact in float64, and they keep float32 arithmetic in float32.
 _ZERO = np.float32(0.0)
@@ -778,7 +776,7 @@ def _into(buffer, value):
 @functools.lru_cache(maxsize=256)
 def _betas(code, hs, dtype):
     """Per gate row: 1 for a σ gate, 2 for a tanh one (see :func:`_gates_row`); shared, never written."""
-    beta = np.ones(_GATES[code] * hs, dtype)
+    beta = np.ones(GATES[code] * hs, dtype)
     if code == LSTM:
         beta[2 * hs : 3 * hs] = 2.0
     elif code in (GRU, GRU_ORIGINAL):
@@ -825,7 +823,7 @@ class _Saved:
 
     def __init__(self, code, steps, n, hs, dtype, save):
         rows = steps if save else 1
-        self.gates = _runtime.empty((rows, n, _GATES[code] * hs), dtype)
+        self.gates = _runtime.empty((rows, n, GATES[code] * hs), dtype)
         self.hprev = _runtime.empty((steps, n, hs), dtype) if save else _dummy(dtype, 3)
         self.cprev = _runtime.empty((steps, n, hs), dtype) if save and code == LSTM else _dummy(dtype, 3)
         self.extra = _runtime.empty((rows, n, hs), dtype) if code in (LSTM, GRU, GRU_ORIGINAL) else _dummy(dtype, 3)
@@ -835,7 +833,7 @@ class _Workspace:
     """Scratch shared by every direction of one call: ``GI`` and one step's ``GH``."""
 
     def __init__(self, code, steps, n, hs, dtype):
-        width = _GATES[code] * hs
+        width = GATES[code] * hs
         self.gi = _runtime.empty((steps, n, width), dtype)
         self.gh = np.empty(n * width, dtype)
 
@@ -859,7 +857,7 @@ BLOCKED_MIN_MACS = 1 << 22
 def _block_rows(code, steps, n, features, hs):
     """Rows per block of the blocked path, or 0 for the unblocked one (see BLOCK_ROWS)."""
     blocks = max(1, (n + BLOCK_ROWS // 2) // BLOCK_ROWS)
-    macs = steps * n * _GATES[code] * hs * (features + hs)
+    macs = steps * n * GATES[code] * hs * (features + hs)
     if blocks < 2 and n >= 2 * MIN_BLOCK_ROWS and macs >= 4 * BLOCKED_MIN_MACS:
         blocks = 2
     if blocks < 2 or macs < BLOCKED_MIN_MACS:
@@ -894,7 +892,7 @@ class _Grads:
         elif code == GRU:
             wa = wb = 3 * hs
         else:
-            wa, wb = _GATES[code] * hs, 1
+            wa, wb = GATES[code] * hs, 1
         self.da = _runtime.empty((steps, n, wa), dtype)
         self.db = _runtime.empty((steps, n, wb), dtype) if code in (GRU, GRU_ORIGINAL) else _dummy(dtype, 3)
         self.dh2 = np.empty((n, hs), dtype)

@@ -49,17 +49,16 @@ class _OutputInfo:
     +2.5 ms of 13).
     """
 
-    __slots__ = ("device", "dtype", "family", "is_numpy", "shape")
+    __slots__ = ("device", "dtype", "family", "shape")
 
     def __init__(self, y: Any) -> None:
         self.family = _arrays.family(y)
         self.shape = tuple(y.shape)
         self.dtype = y.dtype
-        self.is_numpy = isinstance(y, np.ndarray)
-        self.device = None if self.is_numpy else getattr(y, "device", None)
+        self.device = None if self.family == "numpy" else getattr(y, "device", None)
 
     def zeros(self, xp: Any) -> Any:
-        if self.is_numpy:  # NumPy's own zeros: the wrapper namespace is imported lazily (see _arrays)
+        if self.family == "numpy":  # NumPy's own zeros: the wrapper namespace is imported lazily (see _arrays)
             return np.zeros(self.shape, self.dtype)
         if self.device is None:
             return xp.zeros(self.shape, dtype=self.dtype)

@@ -72,8 +72,6 @@ DTYPES = ("float32", "float64")
 #: Shared-memory lanes of the column reduction: the largest block it accepts.
 MAX_THREADS = 1024
 
-# Runtime cell codes (portable_nn.kernel_codes): one compiled function serves every kind.
-_GATES = GATES
 
 _I = "int64"
 _FWD = (f"void({_I}, {_I}, {{x}}[::1], {{x}}[::1], {{x}}[::1], {{x}}[::1], {{x}}[::1], {{x}}[::1], {{x}}[::1], "
@@ -428,7 +426,7 @@ class _Direction:
         self.reverse, self.steps, self.n, self.hs = reverse, steps, n, hs
         slots = steps + 1 if save else 2
         rows = steps if save else 1
-        width = _GATES[code] * hs
+        width = GATES[code] * hs
         self.hseq = xp.empty((slots, n, hs), dtype)
         self.cseq = xp.empty((slots, n, hs), dtype) if code == LSTM else xp.empty(1, dtype)
         self.gates = xp.empty((rows, n, width), dtype)
@@ -455,7 +453,7 @@ class _Direction:
         """The forward over all steps; ``y`` (T, N, Y) receives columns col … col+H (or None)."""
         xp, code, w, x = self.xp, self.code, self.w, self.x
         steps, n, hs = self.steps, self.n, self.hs
-        width = _GATES[code] * hs
+        width = GATES[code] * hs
         gi = xp.empty((steps, n, width), x.dtype)
         _matmul(xp, x.reshape(steps * n, int(x.shape[2])), w.w_ih.T, gi.reshape(steps * n, width))
         gh_a = xp.empty((n, int(w.w_a.shape[0])), x.dtype)
@@ -491,7 +489,7 @@ class _Direction:
         xp, code, w = self.xp, self.code, self.w
         steps, n, hs = self.steps, self.n, self.hs
         dtype = self.x.dtype
-        a_width = 2 * hs if code == GRU_ORIGINAL else _GATES[code] * hs
+        a_width = 2 * hs if code == GRU_ORIGINAL else GATES[code] * hs
         da = xp.empty((steps, n, a_width), dtype)
         if code == GRU:
             db = xp.empty((steps, n, 3 * hs), dtype)

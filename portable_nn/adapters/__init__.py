@@ -9,3 +9,20 @@
 Importing ``portable_nn`` imports neither framework; each adapter imports its framework
 when ``portable_nn.torch`` or ``portable_nn.jax`` is imported.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def keep_public_path(namespace: dict[str, Any]) -> None:
+    """Give every class an adapter package exports (its ``__all__``) the package's module path.
+
+    The adapters are packages whose classes are defined in submodules; pickled models refer to
+    classes by module path, and reprs and docs show it, so it stays the path users import from
+    (the one the adapters had as single modules).
+    """
+    for name in namespace["__all__"]:
+        obj = namespace[name]
+        if isinstance(obj, type):
+            obj.__module__ = namespace["__name__"]

@@ -101,6 +101,7 @@ traced route.
 from __future__ import annotations
 
 from ...api import merge_moments
+from .. import keep_public_path
 from ._ops import Route, explain, reference_autodiff
 from .functional import (
     avg_pool,
@@ -148,9 +149,4 @@ __all__ = [
     "rnn_cell",
 ]
 
-# Classes keep the module path they had before this package was split (reprs, docs, pickles).
-for _name in __all__:
-    _obj = globals()[_name]
-    if isinstance(_obj, type):
-        _obj.__module__ = __name__
-del _name, _obj
+keep_public_path(globals())

@@ -50,6 +50,7 @@ GRU ``reset_after=``).  Arguments we cannot honour raise
 
 from __future__ import annotations
 
+from .. import keep_public_path
 from . import _defs  # noqa: F401  (defines and registers the custom ops)
 from ._ops import saved_pullbacks
 from .functional import (
@@ -129,10 +130,4 @@ __all__ = [
     "saved_pullbacks",
 ]
 
-# The classes keep the module path they had before this package was split (pickled models refer to
-# classes by it) and that reprs and docs show; the package re-exports every one of them.
-for _name in __all__:
-    _obj = globals()[_name]
-    if isinstance(_obj, type):
-        _obj.__module__ = __name__
-del _name, _obj
+keep_public_path(globals())
