@@ -21,8 +21,10 @@ the next backend and ``pnn.explain`` says why; with ``aten`` forced it raises
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
+from portable_nn.backends import Backend
 from portable_nn.dispatch import Support, register_builtin
 
 #: What every PyTorch kernel takes: torch tensors on the CPU or a CUDA device, in the dtypes
@@ -66,6 +68,17 @@ PRIORITY = {"conv": FASTER_THAN_NUMBA, "lstm": NOT_FASTER, "rnn": NOT_FASTER, "g
             "dense": FASTER_THAN_NUMBA}
 
 
+def _probe() -> tuple[bool, str]:
+    """torch installed (looked up, not imported: probing must not load torch)."""
+    if importlib.util.find_spec("torch") is None:
+        return False, "the torch package is not installed"
+    return True, "torch installed; PyTorch's own kernels, for torch tensors only"
+
+
+BACKEND = Backend("aten", probe=_probe, priority=NOT_FASTER, arrays="torch",
+                  description="PyTorch's own kernels (oneDNN, cuDNN, its fused RNNs) for torch tensors")
+
+
 def _gru_form(call: Any) -> str | None:
     """PyTorch's GRU is the ``reset_after=True`` form only."""
     if call.kind == "gru" and not call.reset_after:
@@ -78,7 +91,7 @@ def _gru_form(call: Any) -> str | None:
 
 register_builtin(
     "conv",
-    "aten",
+    BACKEND.name,
     forward="kernels_aten.conv:conv_forward",
     backward="kernels_aten.conv:conv_backward",
     supports=Support(
@@ -101,7 +114,7 @@ _SEQUENCE = {
 for _op, _what in _SEQUENCE.items():
     register_builtin(
         _op,
-        "aten",
+        BACKEND.name,
         forward="kernels_aten.rnn:sequence_forward",
         backward="kernels_aten.rnn:sequence_backward",
         supports=Support(
@@ -115,7 +128,7 @@ for _op, _what in _SEQUENCE.items():
 
 register_builtin(
     "dense",
-    "aten",
+    BACKEND.name,
     forward="kernels_aten.dense:dense_forward",
     backward="kernels_aten.dense:dense_backward",
     supports=Support(

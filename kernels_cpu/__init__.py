@@ -11,6 +11,9 @@ Ops without a declaration here run on the array-API reference under ``auto``
 
 from __future__ import annotations
 
+import importlib.util
+
+from portable_nn.backends import Backend
 from portable_nn.dispatch import Support, register_builtin
 from portable_nn.kernel_checks import int32_pool_positions, int64_ignore_index
 
@@ -29,9 +32,20 @@ NUMBA_PRIORITY = 5
 #: Entered around every forward and backward: BLAS at one thread for the call's duration.
 CPU_SCOPE = "kernels_cpu._runtime:call_scope"
 
+
+def _probe() -> tuple[bool, str]:
+    """Available wherever numba installs; nothing is imported or compiled here."""
+    if importlib.util.find_spec("numba") is None:
+        return False, "the numba package is not installed"
+    return True, "numba installed; kernels compile on first use"
+
+
+BACKEND = Backend("numba", probe=_probe, priority=NUMBA_PRIORITY, arrays="numpy",
+                  description="Numba-JIT CPU kernels: NumPy arrays and CPU torch tensors (zero-copy)")
+
 register_builtin(
     "moments",
-    "numba",
+    BACKEND.name,
     forward="kernels_cpu.norm:moments_forward",
     backward="kernels_cpu.norm:moments_backward",
     supports=Support(
@@ -45,7 +59,7 @@ register_builtin(
 for _op in ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm"):
     register_builtin(
         _op,
-        "numba",
+        BACKEND.name,
         forward="kernels_cpu.norm:norm_forward",
         backward="kernels_cpu.norm:norm_backward",
         supports=Support(layouts=("channels_first", "channels_last"), **CPU_SUPPORT),
@@ -57,7 +71,7 @@ for _op, _kind in (("rnn_cell", "cell"), ("lstm_cell", "cell"), ("gru_cell", "ce
                    ("rnn", "sequence"), ("lstm", "sequence"), ("gru", "sequence")):
     register_builtin(
         _op,
-        "numba",
+        BACKEND.name,
         forward=f"kernels_cpu.rnn:{_kind}_forward",
         backward=f"kernels_cpu.rnn:{_kind}_backward",
         supports=Support(
@@ -70,7 +84,7 @@ for _op, _kind in (("rnn_cell", "cell"), ("lstm_cell", "cell"), ("gru_cell", "ce
 
 register_builtin(
     "conv",
-    "numba",
+    BACKEND.name,
     forward="kernels_cpu.conv:conv_forward",
     backward="kernels_cpu.conv:conv_backward",
     supports=Support(
@@ -84,7 +98,7 @@ register_builtin(
 
 register_builtin(
     "dense",
-    "numba",
+    BACKEND.name,
     forward="kernels_cpu.dense:dense_forward",
     backward="kernels_cpu.dense:dense_backward",
     supports=Support(description="any leading shape (1-D x and zero rows included)", **CPU_SUPPORT),
@@ -96,7 +110,7 @@ register_builtin(
 for _op in ("max_pool", "avg_pool"):
     register_builtin(
         _op,
-        "numba",
+        BACKEND.name,
         forward="kernels_cpu.pool:pool_forward",
         backward="kernels_cpu.pool:pool_backward",
         supports=Support(
@@ -113,7 +127,7 @@ for _op in ("max_pool", "avg_pool"):
 for _op in ("log_softmax", "cross_entropy"):
     register_builtin(
         _op,
-        "numba",
+        BACKEND.name,
         forward=f"kernels_cpu.loss:{_op}_forward",
         backward=f"kernels_cpu.loss:{_op}_backward",
         supports=Support(

@@ -34,9 +34,9 @@ from .api.conv import conv
 from .api.dense import dense
 from .api.rnn import rnn
 from .autodiff import vjp
+from .backends import BackendStatus
 from .config import get_backend, get_fallback, set_backend, set_fallback, use_backend
 from .dispatch import (
-    BackendStatus,
     Call,
     Support,
     available_backends,

@@ -24,7 +24,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 __all__ = [
-    "BUILTIN_BACKENDS",
     "ENV_VAR",
     "get_backend",
     "get_fallback",
@@ -34,7 +33,6 @@ __all__ = [
 ]
 
 ENV_VAR = "PORTABLE_NN_BACKEND"
-BUILTIN_BACKENDS = ("reference", "numba", "numba_cuda", "cupy", "aten")
 FALLBACK_MODES = ("allow", "warn", "error")
 
 

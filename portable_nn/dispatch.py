@@ -25,9 +25,7 @@ and why, is :func:`portable_nn.explain` (:mod:`portable_nn.introspection`).
 from __future__ import annotations
 
 import contextlib
-import ctypes.util
 import importlib
-import importlib.util
 import inspect
 import threading
 import warnings
@@ -36,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import _arrays, config, preference
+from . import _arrays, backends, config, preference
+from .backends import BackendStatus
 from .bridge import Bridge, NoGrad
 from .errors import BackendUnavailableError, FallbackWarning
 
@@ -51,31 +50,15 @@ __all__ = [
     "register_kernel",
 ]
 
-#: Every op that goes through dispatch (the backend configuration accepts these names).
-OPS = (
-    "moments",
-    "batch_norm",
-    "layer_norm",
-    "group_norm",
-    "instance_norm",
-    "rms_norm",
-    "rnn_cell",
-    "lstm_cell",
-    "gru_cell",
-    "rnn",
-    "lstm",
-    "gru",
-    "conv",
-    "dense",
-    "max_pool",
-    "avg_pool",
-    "log_softmax",
-    "cross_entropy",
-)
+#: Every op that goes through dispatch, by name -> its op family (the ``portable_nn.api`` module that
+#: declares it: ``"norm"``, ``"rnn"`` …).  Filled by the api's ``@public_op`` (:func:`declare_op`), in
+#: the order the api declares them; nothing else lists ops.
+_OPS: dict[str, str] = {}
 
-#: Modules that declare the built-in kernels.  Importing them must stay cheap:
-#: they register lazy references, and numba/cupy/torch load only when a kernel runs.
-_PROVIDERS = ("portable_nn.reference", "kernels_cpu", "kernels_gpu", "kernels_aten")
+
+def declare_op(name: str, family: str) -> None:
+    """Make ``name`` a dispatched op of ``family`` (called by ``portable_nn.api``'s ``@public_op``)."""
+    _OPS[name] = family
 
 
 # --------------------------------------------------------------------------- calls
@@ -336,6 +319,7 @@ _extra_backends: dict[str, str] = {}
 
 
 def _load_providers() -> None:
+    """Declare every op (the api) and load every backend package (:mod:`portable_nn.backends`), once."""
     global _providers_loaded
     if _providers_loaded:
         return
@@ -343,15 +327,8 @@ def _load_providers() -> None:
         if _providers_loaded:
             return
         _providers_loaded = True
-        for module in _PROVIDERS:
-            try:
-                importlib.import_module(module)
-            except ImportError as exc:
-                # A missing kernel package only removes its backend; say so in info.
-                _provider_errors[module] = f"{type(exc).__name__}: {exc}"
-
-
-_provider_errors: dict[str, str] = {}
+        importlib.import_module("portable_nn.api")
+        backends.load()
 
 
 def _add(impl: Implementation) -> None:
@@ -377,8 +354,8 @@ def register_builtin(
     ``scope`` (a callable or ``"module:function"``) returns the context manager entered around
     every forward and backward of the implementation: its runtime's per-call arrangement.
     """
-    if op not in OPS:
-        raise ValueError(f"unknown op {op!r}")
+    if op not in op_names():
+        raise ValueError(f"unknown op {op!r}; expected one of {', '.join(op_names())}")
     _add(Implementation(op, backend, forward, backward, supports or Support(), priority, scope=scope))
 
 
@@ -504,8 +481,8 @@ def register_kernel(
           ``ignore_index``, ``label_smoothing``, ``reduction``, ``positions``
           (the number of loss terms), ``mixed_precision``.
     """
-    if op not in OPS:
-        raise ValueError(f"register_kernel: unknown op {op!r}; expected one of {', '.join(OPS)}")
+    if op not in op_names():
+        raise ValueError(f"register_kernel: unknown op {op!r}; expected one of {', '.join(op_names())}")
     if not isinstance(backend, str) or not backend or backend == "auto":
         raise ValueError("register_kernel: backend must be a non-empty name other than 'auto'")
     if not callable(forward) and not (isinstance(forward, str) and ":" in forward):
@@ -513,7 +490,7 @@ def register_kernel(
     if supports is not None and not isinstance(supports, Support):
         raise TypeError("register_kernel: supports must be a portable_nn.Support")
     _load_providers()
-    if backend not in config.BUILTIN_BACKENDS:
+    if backend not in backends.declared():
         _extra_backends[backend] = "registered with register_kernel"
     _add(Implementation(op, backend, forward, backward, supports or Support(), priority, "user"))
 
@@ -557,7 +534,7 @@ def implementations(op: str) -> list[Implementation]:
         _load_providers()
         with _registry_lock:
             impls = list(_registry.get(op, []))
-        ordered = tuple(sorted(impls, key=lambda i: (i.backend == "reference", -_effective_priority(i, impls))))
+        ordered = tuple(sorted(impls, key=lambda i: (backends.is_oracle(i.backend), -_effective_priority(i, impls))))
         _sorted[op] = ordered
     return list(ordered)
 
@@ -568,12 +545,12 @@ def implementations(op: str) -> list[Implementation]:
 
 def gpu_preference() -> dict[str, str]:
     """``{op: backend}`` measured by ``gpu-check`` (empty: the static order applies)."""
-    return preference.load(OPS)
+    return preference.load(op_names())
 
 
 def save_gpu_preference(measured: Mapping[str, str], measured_on: str) -> Path:
     """Store ``{op: backend}`` as the ``auto`` order between GPU backends; returns the file."""
-    unknown = [op for op in measured if op not in OPS]
+    unknown = [op for op in measured if op not in op_names()]
     if unknown:
         raise ValueError(f"save_gpu_preference: unknown ops {unknown}")
     with _registry_lock:
@@ -590,90 +567,56 @@ def _effective_priority(impl: Implementation, impls: list[Implementation]) -> fl
 
 
 def op_names() -> tuple[str, ...]:
-    """Names of every dispatched op."""
-    return OPS
+    """Names of every dispatched op, in the order the api declares them."""
+    if not _OPS:
+        importlib.import_module("portable_nn.api")
+    return tuple(_OPS)
+
+
+def op_family(op: str) -> str:
+    """The op family (api module name: ``"norm"``, ``"rnn"`` …) that declares ``op``."""
+    op_names()
+    return _OPS[op]
 
 
 def backend_names() -> tuple[str, ...]:
-    """The built-in backends plus any added with :func:`register_kernel`."""
+    """The declared backends (the reference first, then by priority) and those added with :func:`register_kernel`."""
     _load_providers()
-    return (*config.BUILTIN_BACKENDS, *_extra_backends)
+    return (*backends.declared(), *_extra_backends, *backends.load_errors())
+
+
+def backends_taking(arrays: str) -> tuple[str, ...]:
+    """The declared backends whose kernels take ``arrays`` natively (``"numpy"``, ``"cupy"``, ``"torch"``),
+    in :func:`backend_names` order: the GPU backends are ``backends_taking("cupy")``."""
+    _load_providers()
+    return backends.native_backends(arrays)
+
+
+def backend_arrays(name: str) -> str:
+    """The array library ``name``'s kernels take natively (its ``Backend.arrays``; ``"any"`` for the
+    reference and for backends added with :func:`register_kernel`)."""
+    _load_providers()
+    declared = backends.declared().get(name)
+    return "any" if declared is None else declared.arrays
 
 
 # --------------------------------------------------------------------------- availability
-
-
-@dataclass(frozen=True)
-class BackendStatus:
-    """Whether a backend can run on this machine, and if not, why not.
-
-    Truthy exactly when the backend is available, so
-    ``if pnn.available_backends()["cupy"]:`` reads naturally; ``str()`` gives
-    ``"cupy: unavailable (the cupy package is not installed)"``.
-
-    Attributes:
-        name: the backend name (``"numba"`` …).
-        available: whether it can run here: its package imports and, for GPU
-            backends, a CUDA driver and device are present.
-        reason: why (not): ``"numba installed; kernels compile on first use"``,
-            ``"no CUDA driver (libcuda) on this machine"`` …
-    """
-
-    name: str
-    available: bool
-    reason: str
-
-    def __bool__(self) -> bool:
-        return self.available
-
-    def __str__(self) -> str:
-        return f"{self.name}: {'available' if self.available else 'unavailable'} ({self.reason})"
 
 
 _status_cache: dict[str, BackendStatus] = {}
 
 
 def _probe(name: str) -> BackendStatus:
-    if name == "reference":
-        return BackendStatus(name, True, "array-API implementation, always available")
-    if name == "numba":
-        if importlib.util.find_spec("numba") is None:
-            return BackendStatus(name, False, "the numba package is not installed")
-        if "kernels_cpu" in _provider_errors:
-            return BackendStatus(name, False, f"kernels_cpu failed to load: {_provider_errors['kernels_cpu']}")
-        return BackendStatus(name, True, "numba installed; kernels compile on first use" + _none_declared(name))
-    if name == "numba_cuda":
-        if importlib.util.find_spec("numba") is None:
-            return BackendStatus(name, False, "the numba package is not installed")
-        if ctypes.util.find_library("cuda") is None:
-            return BackendStatus(name, False, "no CUDA driver (libcuda) on this machine")
+    declared = backends.declared().get(name)
+    if declared is not None:
         try:
-            from numba import cuda
-
-            if not cuda.is_available():
-                return BackendStatus(name, False, "numba.cuda finds no usable GPU")
-        except Exception as exc:  # pragma: no cover - needs a broken CUDA install
-            return BackendStatus(name, False, f"numba.cuda failed: {exc}")
-        return BackendStatus(name, True, "numba.cuda sees a GPU")
-    if name == "cupy":
-        if importlib.util.find_spec("cupy") is None:
-            return BackendStatus(name, False, "the cupy package is not installed")
-        try:
-            import cupy
-
-            count = cupy.cuda.runtime.getDeviceCount()
-        except Exception as exc:
-            return BackendStatus(name, False, f"cupy finds no GPU ({type(exc).__name__}: {exc})")
-        if count == 0:
-            return BackendStatus(name, False, "cupy finds no GPU")
-        return BackendStatus(name, True, f"cupy sees {count} GPU(s)")
-    if name == "aten":
-        # find_spec, not import: probing (available_backends, info) must not load torch.
-        if importlib.util.find_spec("torch") is None:
-            return BackendStatus(name, False, "the torch package is not installed")
-        if "kernels_aten" in _provider_errors:
-            return BackendStatus(name, False, f"kernels_aten failed to load: {_provider_errors['kernels_aten']}")
-        return BackendStatus(name, True, "torch installed; PyTorch's own kernels, for torch tensors only")
+            available, reason = declared.probe()
+        except Exception as exc:  # a probe must not take dispatch down: report it
+            available, reason = False, f"its availability probe failed: {type(exc).__name__}: {exc}"
+        return BackendStatus(name, available, reason + (_none_declared(name) if available else ""))
+    failed = backends.load_errors().get(name)
+    if failed is not None:
+        return BackendStatus(name, False, failed)
     if name in _extra_backends:
         return BackendStatus(name, True, _extra_backends[name])
     return BackendStatus(name, False, "unknown backend")
@@ -696,6 +639,7 @@ def backend_status(name: str) -> BackendStatus:
     """
     status = _status_cache.get(name)
     if status is None:
+        _load_providers()
         status = _status_cache[name] = _probe(name)
     return status
 

@@ -116,13 +116,13 @@ def _parse_junit(path: Path) -> dict[str, Any]:
 
 def preference_from(report: Any) -> dict[str, str]:
     """Per op, the GPU backend with the lower fwd+bwd time on its single-op float32 workloads."""
-    from .bench.gpu import GPU_BACKENDS
+    from .bench.gpu import gpu_backends
     from .bench.workloads import WORKLOADS
 
     single = {w.name: w.op for w in WORKLOADS if len(w.ops) == 1}
     best: dict[str, dict[str, float]] = {}
     for r in report.rows:
-        if r.contender in GPU_BACKENDS and r.phase == "fwd+bwd" and r.workload in single:
+        if r.contender in gpu_backends() and r.phase == "fwd+bwd" and r.workload in single:
             per = best.setdefault(single[r.workload], {})
             per[r.contender] = per.get(r.contender, 0.0) + r.median_ms
     return {op: min(times, key=times.__getitem__) for op, times in best.items() if len(times) > 1}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _arrays, config
-from .dispatch import OPS, Call, _candidate_reason, backend_status, implementations, select
+from .dispatch import Call, _candidate_reason, backend_status, implementations, op_names, select
 from .errors import BackendUnavailableError
 
 
@@ -142,7 +142,7 @@ def capabilities() -> list[dict[str, str]]:
         description) and ``available`` (``"yes"``/``"no"`` on this machine).
     """
     rows = []
-    for op in OPS:
+    for op in op_names():
         for impl in implementations(op):
             s = impl.supports
             notes = []

@@ -9,6 +9,9 @@ tensors (bfloat16 as ``uint16`` bits) and runs them on torch's current stream.
 
 from __future__ import annotations
 
+import importlib.util
+
+from portable_nn.backends import Backend
 from portable_nn.dispatch import Support, register_builtin
 from portable_nn.kernel_checks import int32_pool_positions, int64_ignore_index
 
@@ -23,9 +26,28 @@ GPU_SUPPORT = dict(
 CUPY_PRIORITY = 4
 
 
+def _probe() -> tuple[bool, str]:
+    """CuPy installed and seeing at least one GPU."""
+    if importlib.util.find_spec("cupy") is None:
+        return False, "the cupy package is not installed"
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return False, f"cupy finds no GPU ({type(exc).__name__}: {exc})"
+    if count == 0:
+        return False, "cupy finds no GPU"
+    return True, f"cupy sees {count} GPU(s)"
+
+
+BACKEND = Backend("cupy", probe=_probe, priority=CUPY_PRIORITY, arrays="cupy",
+                  description="CUDA C kernels through CuPy RawModule: CuPy arrays and CUDA torch tensors (zero-copy)")
+
+
 register_builtin(
     "moments",
-    "cupy",
+    BACKEND.name,
     forward="kernels_gpu.cuda_c.norm:moments_forward",
     backward="kernels_gpu.cuda_c.norm:moments_backward",
     supports=Support(
@@ -40,7 +62,7 @@ register_builtin(
 for _op in ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm"):
     register_builtin(
         _op,
-        "cupy",
+        BACKEND.name,
         forward="kernels_gpu.cuda_c.norm:norm_forward",
         backward="kernels_gpu.cuda_c.norm:norm_backward",
         supports=Support(
@@ -57,7 +79,7 @@ for _op in ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm
 for _op in ("max_pool", "avg_pool"):
     register_builtin(
         _op,
-        "cupy",
+        BACKEND.name,
         forward="kernels_gpu.cuda_c.pool:pool_forward",
         backward="kernels_gpu.cuda_c.pool:pool_backward",
         supports=Support(
@@ -74,7 +96,7 @@ for _op in ("max_pool", "avg_pool"):
 for _op in ("log_softmax", "cross_entropy"):
     register_builtin(
         _op,
-        "cupy",
+        BACKEND.name,
         forward=f"kernels_gpu.cuda_c.loss:{_op}_forward",
         backward=f"kernels_gpu.cuda_c.loss:{_op}_backward",
         supports=Support(
@@ -88,7 +110,7 @@ for _op in ("log_softmax", "cross_entropy"):
 
 register_builtin(
     "dense",
-    "cupy",
+    BACKEND.name,
     forward="kernels_gpu.cuda_c.dense:dense_forward",
     backward="kernels_gpu.cuda_c.dense:dense_backward",
     supports=Support(
@@ -102,7 +124,7 @@ register_builtin(
 
 register_builtin(
     "conv",
-    "cupy",
+    BACKEND.name,
     forward="kernels_gpu.cuda_c.conv:conv_forward",
     backward="kernels_gpu.cuda_c.conv:conv_backward",
     supports=Support(
@@ -118,7 +140,7 @@ register_builtin(
 for _op in ("rnn_cell", "lstm_cell", "gru_cell"):
     register_builtin(
         _op,
-        "cupy",
+        BACKEND.name,
         forward="kernels_gpu.cuda_c.rnn:cell_forward",
         backward="kernels_gpu.cuda_c.rnn:cell_backward",
         supports=Support(
@@ -133,7 +155,7 @@ for _op in ("rnn_cell", "lstm_cell", "gru_cell"):
 for _op in ("rnn", "lstm", "gru"):
     register_builtin(
         _op,
-        "cupy",
+        BACKEND.name,
         forward="kernels_gpu.cuda_c.rnn:sequence_forward",
         backward="kernels_gpu.cuda_c.rnn:sequence_backward",
         supports=Support(

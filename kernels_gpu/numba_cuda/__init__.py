@@ -12,6 +12,10 @@ Ops without a declaration here run on another backend under ``auto`` and raise
 
 from __future__ import annotations
 
+import ctypes.util
+import importlib.util
+
+from portable_nn.backends import Backend
 from portable_nn.dispatch import Support, register_builtin
 from portable_nn.kernel_checks import int32_pool_positions, int64_ignore_index
 
@@ -26,9 +30,29 @@ GPU_SUPPORT = dict(
 NUMBA_CUDA_PRIORITY = 3
 _PKG = "kernels_gpu.numba_cuda"
 
+
+def _probe() -> tuple[bool, str]:
+    """A CUDA driver and a device numba.cuda can use (numba.cuda loads only where libcuda exists)."""
+    if importlib.util.find_spec("numba") is None:
+        return False, "the numba package is not installed"
+    if ctypes.util.find_library("cuda") is None:
+        return False, "no CUDA driver (libcuda) on this machine"
+    try:
+        from numba import cuda
+
+        if not cuda.is_available():
+            return False, "numba.cuda finds no usable GPU"
+    except Exception as exc:  # pragma: no cover - needs a broken CUDA install
+        return False, f"numba.cuda failed: {exc}"
+    return True, "numba.cuda sees a GPU"
+
+
+BACKEND = Backend("numba_cuda", probe=_probe, priority=NUMBA_CUDA_PRIORITY, arrays="cupy",
+                  description="Numba-CUDA GPU kernels: CuPy arrays and CUDA torch tensors (zero-copy)")
+
 register_builtin(
     "moments",
-    "numba_cuda",
+    BACKEND.name,
     forward=f"{_PKG}.norm:moments_forward",
     backward=f"{_PKG}.norm:moments_backward",
     supports=Support(
@@ -43,7 +67,7 @@ register_builtin(
 for _op in ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm"):
     register_builtin(
         _op,
-        "numba_cuda",
+        BACKEND.name,
         forward=f"{_PKG}.norm:norm_forward",
         backward=f"{_PKG}.norm:norm_backward",
         supports=Support(
@@ -58,7 +82,7 @@ for _op in ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm
 
 register_builtin(
     "log_softmax",
-    "numba_cuda",
+    BACKEND.name,
     forward=f"{_PKG}.loss:log_softmax_forward",
     backward=f"{_PKG}.loss:log_softmax_backward",
     supports=Support(
@@ -73,7 +97,7 @@ register_builtin(
 for _op in ("max_pool", "avg_pool"):
     register_builtin(
         _op,
-        "numba_cuda",
+        BACKEND.name,
         forward=f"{_PKG}.pool:pool_forward",
         backward=f"{_PKG}.pool:pool_backward",
         supports=Support(
@@ -89,7 +113,7 @@ for _op in ("max_pool", "avg_pool"):
 
 register_builtin(
     "cross_entropy",
-    "numba_cuda",
+    BACKEND.name,
     forward=f"{_PKG}.loss:cross_entropy_forward",
     backward=f"{_PKG}.loss:cross_entropy_backward",
     supports=Support(
@@ -105,7 +129,7 @@ register_builtin(
 
 register_builtin(
     "dense",
-    "numba_cuda",
+    BACKEND.name,
     forward=f"{_PKG}.dense:dense_forward",
     backward=f"{_PKG}.dense:dense_backward",
     supports=Support(
@@ -120,7 +144,7 @@ register_builtin(
 
 register_builtin(
     "conv",
-    "numba_cuda",
+    BACKEND.name,
     forward=f"{_PKG}.conv:conv_forward",
     backward=f"{_PKG}.conv:conv_backward",
     supports=Support(
@@ -138,7 +162,7 @@ for _op, _kind in (("rnn_cell", "cell"), ("lstm_cell", "cell"), ("gru_cell", "ce
                    ("rnn", "sequence"), ("lstm", "sequence"), ("gru", "sequence")):
     register_builtin(
         _op,
-        "numba_cuda",
+        BACKEND.name,
         forward=f"{_PKG}.rnn:{_kind}_forward",
         backward=f"{_PKG}.rnn:{_kind}_backward",
         supports=Support(

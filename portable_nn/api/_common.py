@@ -82,6 +82,7 @@ def public_op(spec: OpSpec) -> Callable[[Callable[..., Any]], Callable[..., Any]
     def attach(fn: Callable[..., Any]) -> Callable[..., Any]:
         fn._pnn_spec = spec  # type: ignore[attr-defined]
         _SPECS[spec.name] = spec
+        dispatch.declare_op(spec.name, fn.__module__.rpartition(".")[2])
         return fn
 
     return attach

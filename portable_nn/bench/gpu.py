@@ -24,9 +24,13 @@ from .. import dispatch
 from . import Report, Row, time_interleaved
 from .workloads import WORKLOADS, Placement, Workload, _norm_workload
 
-__all__ = ["GPU_BACKENDS", "GPU_WORKLOADS", "gpu_contenders", "run_gpu_suite"]
+__all__ = ["GPU_WORKLOADS", "gpu_backends", "gpu_contenders", "run_gpu_suite"]
 
-GPU_BACKENDS = ("cupy", "numba_cuda")
+
+def gpu_backends() -> tuple[str, ...]:
+    """The backends whose kernels take CuPy arrays (declared by their packages)."""
+    return dispatch.backends_taking("cupy")
+
 
 #: The GPU-only rows: large norms in three dtypes (dtype, workload).
 GPU_WORKLOADS: list[tuple[str, Workload]] = [
@@ -45,7 +49,7 @@ def gpu_contenders(workload: Workload, dtype: str = "float32") -> list[str]:
 
     probe = dispatch.Call("probe", {}, {}, xp=xp, family="cupy", device="cuda:0", dtype=dtype)
     found = []
-    for backend in GPU_BACKENDS:
+    for backend in gpu_backends():
         if not dispatch.backend_status(backend):
             continue
         ok = True
@@ -166,7 +170,7 @@ def goal_checks(report: Report) -> list[tuple[str, str, bool]]:
     """``(row, goal, met)`` for every portable_nn row a goal of issue 5 applies to."""
     checks = []
     for r in report.rows:
-        if r.contender not in GPU_BACKENDS:
+        if r.contender not in gpu_backends():
             continue
         label = f"{r.workload} [{r.contender}, {r.phase}]"
         is_norm = any(r.workload.startswith(op) for op in NORM_OPS)

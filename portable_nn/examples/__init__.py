@@ -30,7 +30,7 @@ import portable_nn as pnn
 
 from . import data as data_module
 from . import train as training
-from .report import GPU_BACKENDS, TORCH_ONLY_BACKENDS, Outcome, format_goals, format_header, format_table
+from .report import Outcome, array_library, format_goals, format_header, format_table
 from .train import RunStats, TrainConfig
 
 __all__ = ["DEFAULT_EPOCHS", "GOALS", "add_demo_arguments", "exit_status", "run_demo"]
@@ -76,7 +76,7 @@ def _resolve_backend(name: str, status: dict[str, Any]) -> str:
 
 def _array_module(backend: str) -> Any:
     """NumPy for CPU backends, CuPy for the GPU ones (which take CuPy arrays)."""
-    if backend in GPU_BACKENDS:
+    if array_library(backend) == "cupy":
         import cupy
 
         return cupy
@@ -149,7 +149,7 @@ def run_demo(args: argparse.Namespace) -> int:
     cfg = TrainConfig(epochs=epochs, batch_size=args.batch_size, optimizer=args.optimizer, lr=args.lr,
                       seed=args.seed)
     others = [] if args.compare == "none" else [
-        b for b, s in status.items() if s and b != backend and b not in TORCH_ONLY_BACKENDS
+        b for b, s in status.items() if s and b != backend and array_library(b) != "torch"
     ]
     compare_cfg = cfg if args.compare == "full" else dataclasses.replace(cfg, stop_after=1)
 

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 import portable_nn as pnn
+from portable_nn import dispatch
 
 from ..about import package_version as _version
 from .data import HELD_OUT_FRACTION, SPLIT_SEED, Digits
@@ -17,13 +18,18 @@ from .models import CNN, RowLSTM
 from .optim import make_optimizer
 from .train import RunStats, TrainConfig
 
-__all__ = ["GPU_BACKENDS", "TORCH_ONLY_BACKENDS", "Outcome", "format_goals", "format_header", "format_table"]
+__all__ = ["Outcome", "array_library", "format_goals", "format_header", "format_table"]
 
-#: Backends that take CuPy arrays (the CPU ones take NumPy arrays).
-GPU_BACKENDS = ("numba_cuda", "cupy")
-#: Backends that take torch tensors only: the demo trains on NumPy and CuPy arrays, so it does not
-#: compare them (``aten``, PyTorch's own kernels).
-TORCH_ONLY_BACKENDS = ("aten",)
+
+def array_library(backend: str) -> str:
+    """The arrays the demo trains ``backend`` on: what its kernels take natively (``Backend.arrays``).
+
+    CuPy for the GPU backends, NumPy for the CPU ones and the reference; ``"torch"`` for backends
+    that take torch tensors only (``aten``), which the demo, training on NumPy and CuPy arrays,
+    does not compare.
+    """
+    arrays = dispatch.backend_arrays(backend)
+    return "numpy" if arrays == "any" else arrays
 
 
 @dataclass
@@ -81,10 +87,6 @@ _HEAD = ("backend", "arrays", "model", "first step", "s/epoch", "vs ref", "epoch
 _RIGHT = frozenset(range(3, len(_HEAD)))  # the numeric columns
 
 
-def _arrays(backend: str) -> str:
-    if backend in TORCH_ONLY_BACKENDS:
-        return "torch"
-    return "cupy" if backend in GPU_BACKENDS else "numpy"
 
 
 def _cells(o: Outcome, reference: dict[str, float]) -> list[str]:
@@ -111,7 +113,7 @@ def format_table(outcomes: list[Outcome], first: str, status: dict[str, Any], da
     for o in outcomes:
         new = not grid or o.backend != outcomes[outcomes.index(o) - 1].backend
         label = o.backend + (" *" if o.backend == first else "") if new else ""
-        grid.append([label, _arrays(o.backend) if new else "", *_cells(o, reference)])
+        grid.append([label, array_library(o.backend) if new else "", *_cells(o, reference)])
         if o.error:
             errors[len(grid) - 1] = o.error
     widths = [max(len(h), *(len(r[i]) for r in grid if i < len(r))) for i, h in enumerate(_HEAD)]
@@ -139,11 +141,11 @@ def format_table(outcomes: list[Outcome], first: str, status: dict[str, Any], da
         if name not in ran:
             if not st:
                 why = f"unavailable: {st.reason}"
-            elif name in TORCH_ONLY_BACKENDS:
+            elif array_library(name) == "torch":
                 why = "not run: takes torch tensors only, and the demo trains on NumPy/CuPy arrays"
             else:
                 why = "not run (--compare none)"
-            lines.append(f"  {name:<{widths[0]}}  {'' if not st else _arrays(name):<{widths[1]}}  {why}")
+            lines.append(f"  {name:<{widths[0]}}  {'' if not st else array_library(name):<{widths[1]}}  {why}")
     notes = ["* trained first, with progress above"]
     if len(ran) > 1:
         notes[0] += f"; {first} and the others start from the same initialisation and see the same batches"

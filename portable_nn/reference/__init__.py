@@ -1,39 +1,29 @@
 """The array-API reference implementations (every array library; the test oracle).
 
-Registering them here imports nothing heavy: dispatch resolves the
-``"module:function"`` strings on first use.
+Every op has one, found by one naming rule: ``portable_nn.reference.<family>:<op>_forward`` and
+``<op>_backward``, where ``<family>`` is the api module that declares the op (``norm``, ``rnn`` …).
+Registering them imports nothing heavy: dispatch resolves the ``"module:function"`` strings on
+first use.
 """
 
 from __future__ import annotations
 
-from ..dispatch import Support, register_builtin
+from ..backends import Backend
+from ..dispatch import Support, op_family, op_names, register_builtin
 
 REFERENCE_PRIORITY = -1
+BACKEND = Backend(
+    "reference",
+    probe=lambda: (True, "array-API implementation, always available"),
+    priority=REFERENCE_PRIORITY,
+    arrays="any",
+    description="the array-API reference: every array library, device and floating dtype; the oracle",
+)
 _ANY = Support(description="array-API standard only")
 
-_NORM = "portable_nn.reference.norm"
-for _op in ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm"):
+for _op in op_names():
+    _module = f"portable_nn.reference.{op_family(_op)}"
     register_builtin(
-        _op, "reference", forward=f"{_NORM}:norm_forward", backward=f"{_NORM}:norm_backward",
+        _op, BACKEND.name, forward=f"{_module}:{_op}_forward", backward=f"{_module}:{_op}_backward",
         supports=_ANY, priority=REFERENCE_PRIORITY,
     )
-register_builtin(
-    "moments", "reference", forward=f"{_NORM}:moments_forward", backward=f"{_NORM}:moments_backward",
-    supports=_ANY, priority=REFERENCE_PRIORITY,
-)
-
-# The other op families follow one naming rule: portable_nn.reference.<family>:<op>_forward/_backward.
-_FAMILIES = {
-    "rnn": ("rnn_cell", "lstm_cell", "gru_cell", "rnn", "lstm", "gru"),
-    "conv": ("conv",),
-    "dense": ("dense",),
-    "pool": ("max_pool", "avg_pool"),
-    "loss": ("log_softmax", "cross_entropy"),
-}
-for _family, _ops in _FAMILIES.items():
-    for _op in _ops:
-        _module = f"portable_nn.reference.{_family}"
-        register_builtin(
-            _op, "reference", forward=f"{_module}:{_op}_forward", backward=f"{_module}:{_op}_backward",
-            supports=_ANY, priority=REFERENCE_PRIORITY,
-        )

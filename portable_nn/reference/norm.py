@@ -244,3 +244,13 @@ def norm_backward(residuals: Any, cotangents: tuple[Any, ...], needs: frozenset[
             dx = rstd * gx
         grads["x"] = store(out, "x", xp.reshape(xp.astype(dx, x.dtype), tuple(x.shape)))
     return grads
+
+
+# One kernel pair serves the five normalisations (the call's ``kind`` and axes tell them apart); these
+# are the names the reference's naming rule looks up (``<op>_forward``/``<op>_backward``).
+batch_norm_forward = layer_norm_forward = group_norm_forward = instance_norm_forward = rms_norm_forward = (
+    norm_forward
+)
+batch_norm_backward = layer_norm_backward = group_norm_backward = instance_norm_backward = rms_norm_backward = (
+    norm_backward
+)

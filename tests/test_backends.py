@@ -1,0 +1,126 @@
+"""Backends declare themselves: entry points, probes, load failures, and no backend lists in the core."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import portable_nn as pnn
+from portable_nn import backends, dispatch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_kernel_package_is_found_through_its_entry_point():
+    published = {ep.name: ep.value for ep in importlib.metadata.entry_points(group=backends.ENTRY_POINT_GROUP)}
+    assert {"numba", "cupy", "numba_cuda", "aten"} <= set(published)
+    names = dispatch.backend_names()
+    assert names[0] == "reference"  # the oracle first; the others by their declared priority
+    declared = backends.declared()
+    for name in published:
+        assert name in names
+        assert declared[name].name == name
+    priorities = [declared[n].priority for n in names[1:] if n in declared]
+    assert priorities == sorted(priorities, reverse=True)
+
+
+def test_the_gpu_backends_are_the_ones_that_take_cupy_arrays():
+    assert set(dispatch.backends_taking("cupy")) == {"cupy", "numba_cuda"}
+    assert dispatch.backend_arrays("numba") == "numpy"
+    assert dispatch.backend_arrays("aten") == "torch"
+    assert dispatch.backend_arrays("reference") == "any"
+
+
+_TOY = '''
+from portable_nn.backends import Backend
+from portable_nn.dispatch import Support, register_builtin
+
+BACKEND = Backend("toy", probe=lambda: (True, "toy: always here"), priority=7, arrays="numpy")
+
+
+def forward(call):
+    y = call.x * 0 + 42.0
+    return (y,), None
+
+
+register_builtin("layer_norm", BACKEND.name, forward=forward, supports=Support(families=("numpy",)),
+                 priority=BACKEND.priority)
+'''
+
+
+@pytest.fixture
+def extra_entry_points(monkeypatch, tmp_path):
+    """Publish extra entry points for the duration of a test; the registry comes back as it was."""
+    (tmp_path / "toy_backend.py").write_text(textwrap.dedent(_TOY))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for module, name in ((dispatch, "_registry"), (dispatch, "_status_cache"), (backends, "_declared"),
+                         (backends, "_errors")):
+        table = getattr(module, name)
+        monkeypatch.setattr(module, name, {k: list(v) if isinstance(v, list) else v for k, v in table.items()})
+    monkeypatch.setattr(dispatch, "_sorted", {})
+    monkeypatch.setattr(dispatch, "_choices", {})
+    real = importlib.metadata.entry_points
+
+    def publish(*extra: tuple[str, str]) -> None:
+        entries = [importlib.metadata.EntryPoint(n, v, backends.ENTRY_POINT_GROUP) for n, v in extra]
+
+        def entry_points(**selection):
+            found = list(real(**selection))
+            return found + entries if selection.get("group") == backends.ENTRY_POINT_GROUP else found
+
+        monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+        backends.load()
+        dispatch._forget_choices()
+
+    yield publish
+    dispatch._forget_choices()
+
+
+def test_a_third_party_backend_joins_through_the_same_entry_point_group(extra_entry_points):
+    extra_entry_points(("toy", "toy_backend:BACKEND"))
+    status = pnn.available_backends()
+    assert status["toy"] and status["toy"].reason == "toy: always here"
+    x = np.ones((2, 3))
+    assert pnn.explain(pnn.layer_norm, x).backend == "toy"  # priority 7 beats numba's 5 under auto
+    with pnn.use_backend("toy"):
+        np.testing.assert_array_equal(pnn.layer_norm(x), np.full((2, 3), 42.0))
+    assert "toy" in [row["backend"] for row in pnn.capabilities() if row["op"] == "layer_norm"]
+
+
+def test_a_backend_that_fails_to_load_is_reported_not_fatal(extra_entry_points):
+    extra_entry_points(("broken", "no_such_package_anywhere:BACKEND"), ("misnamed", "toy_backend:BACKEND"))
+    status = pnn.available_backends()
+    assert not status["broken"]
+    assert "failed to load" in status["broken"].reason and "ModuleNotFoundError" in status["broken"].reason
+    assert not status["misnamed"] and "'toy'" in status["misnamed"].reason
+    with pytest.raises(pnn.BackendUnavailableError, match="broken"):
+        with pnn.use_backend("broken"):
+            pnn.layer_norm(np.ones((2, 3)))
+    assert pnn.available_backends()["numba"]  # the others are untouched
+
+
+def _code_without_docstrings(path: Path) -> str:
+    import ast
+
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(
+                getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
+            body[0].value.value = ""
+    return ast.unparse(tree)
+
+
+@pytest.mark.parametrize("module", ["config.py", "dispatch.py", "backends.py"])
+def test_the_core_holds_no_list_of_backends(module):
+    """Backends declare themselves: no backend name appears in the selection machinery's code."""
+    code = _code_without_docstrings(ROOT / "portable_nn" / module)
+    code = re.sub(r"#.*", "", code)
+    found = [name for name in ("numba", "numba_cuda", "cupy", "aten", "kernels_cpu", "kernels_gpu", "kernels_aten")
+             if re.search(rf"['\"]{name}['\"]", code)]
+    assert found == [], f"{module} names backends {found}"
