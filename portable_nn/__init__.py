@@ -7,32 +7,18 @@ Importing this package loads neither numba, cupy nor torch.
 
 from __future__ import annotations
 
-from .api import (
-    ACTIVATIONS,
-    Activation,
-    avg_pool,
-    batch_norm,
-    cross_entropy,
-    group_norm,
-    gru,
-    gru_cell,
-    instance_norm,
-    layer_norm,
-    log_softmax,
-    lstm,
-    lstm_cell,
-    max_pool,
-    merge_moments,
-    moments,
-    rms_norm,
-    rnn_cell,
-)
+from . import api
 
-# Imported from their modules, not from the package: ``portable_nn.api.conv`` etc. are also
-# submodules, and documentation tools would otherwise render the module instead of the function.
-from .api.conv import conv
-from .api.dense import dense
-from .api.rnn import rnn
+# The ops: each api family module's __all__.  Imported from the family modules, not from the api
+# package: portable_nn.api.conv etc. are also submodules, and documentation tools would otherwise
+# render the module instead of the function.
+from .api.activations import *  # noqa: F403
+from .api.conv import *  # noqa: F403
+from .api.dense import *  # noqa: F403
+from .api.loss import *  # noqa: F403
+from .api.norm import *  # noqa: F403
+from .api.pool import *  # noqa: F403
+from .api.rnn import *  # noqa: F403
 from .autodiff import vjp
 from .backends import BackendStatus
 from .config import get_backend, get_fallback, set_backend, set_fallback, use_backend
@@ -51,8 +37,6 @@ __version__ = "0.1.0"
 """The version of portable_nn (PEP 440), written here only: pyproject.toml reads it (``dynamic``)."""
 
 __all__ = [
-    "ACTIVATIONS",
-    "Activation",
     "BackendStatus",
     "BackendUnavailableError",
     "Call",
@@ -61,31 +45,12 @@ __all__ = [
     "Support",
     "__version__",
     "available_backends",
-    "avg_pool",
-    "batch_norm",
     "capabilities",
-    "conv",
-    "cross_entropy",
-    "dense",
     "explain",
     "get_backend",
     "get_fallback",
     "get_num_threads",
-    "group_norm",
-    "gru",
-    "gru_cell",
-    "instance_norm",
-    "layer_norm",
-    "log_softmax",
-    "lstm",
-    "lstm_cell",
-    "max_pool",
-    "merge_moments",
-    "moments",
     "register_kernel",
-    "rms_norm",
-    "rnn",
-    "rnn_cell",
     "set_backend",
     "set_fallback",
     "set_num_threads",
@@ -94,3 +59,4 @@ __all__ = [
     "use_threads",
     "vjp",
 ]
+__all__ += api.__all__

@@ -161,6 +161,13 @@ def namespace(x: Any) -> Any:
     return aac.array_namespace(x)
 
 
+def has_values(x: Any) -> bool:
+    """Whether ``x``'s values can be read: false for a stand-in that has only a shape and dtype
+    (a torch fake or meta tensor, as ``torch.compile`` traces with), whose values validation
+    must therefore leave to the kernel."""
+    return getattr(x, "fake_mode", None) is None and str(getattr(x, "device", "")) != "meta"
+
+
 def is_writeable(x: Any) -> bool:
     """Whether ``x`` can be updated in place (``x[...] = v``)."""
     return bool(aac.is_writeable_array(x))

@@ -34,6 +34,7 @@ __all__ = [
     "load",
     "load_errors",
     "native_backends",
+    "oracle_name",
 ]
 
 #: The entry-point group backend packages publish their :class:`Backend` under.
@@ -129,6 +130,15 @@ def declared() -> dict[str, Backend]:
     """The loaded backends by name, the oracle first, then by descending priority."""
     order = sorted(_declared.values(), key=lambda b: (b.name not in _oracle, -b.priority, b.name))
     return {b.name: b for b in order}
+
+
+def oracle_name() -> str:
+    """The backend name of the array-API reference (loaded on first use)."""
+    if not _oracle:
+        from . import dispatch
+
+        dispatch.backend_names()
+    return _oracle[0]
 
 
 def is_oracle(name: str) -> bool:

@@ -650,6 +650,45 @@ def test_torch_compile_functions():
         assert _rel(g, r) < 1e-12
 
 
+def test_torch_compile_dynamic_shapes():
+    """dynamic=True: the fakes (the op itself on the reference, on fake tensors) take symbolic sizes, and a
+    second call with other sizes gives the eager results."""
+    torch._dynamo.reset()
+
+    def f(x, w, seq, params, logits, target):
+        z = pnt.max_pool(pnt.conv(x, w, padding=1, stride=2, activation="relu"), 3, stride=2, ceil_mode=True)
+        out, (h, c) = pnt.lstm(seq, params)
+        return z.sum() + out.sum() + h.sum() + pnt.cross_entropy(logits, target, reduction="none").sum()
+
+    compiled = torch.compile(f, backend="aot_eager", dynamic=True, fullgraph=True)
+    params = [(_t(16, 3), _t(16, 4), None, None)]
+    for n, hw, t in ((2, 9, 5), (3, 13, 7)):
+        args = (_t(n, 3, hw, hw + 2), _t(4, 3, 3, 3), _t(t, n, 3), params, _t(n + 4, 5),
+                torch.arange(n + 4) % 5)
+        got, expected = compiled(*args), f(*args)
+        assert _rel(got, expected) < 1e-12
+        grads = torch.autograd.grad(got, (args[0], args[1]))
+        ref = torch.autograd.grad(expected, (args[0], args[1]))
+        assert all(_rel(g, r) < 1e-11 for g, r in zip(grads, ref))
+
+
+def test_functions_are_generated_from_the_op_descriptions():
+    """Each function has the op's signature, defaults and documentation; its custom op's schema comes
+    from the argument kinds (nothing written per op)."""
+    import inspect
+
+    from portable_nn.api._common import all_specs
+
+    for spec in all_specs():
+        fn = getattr(pnt, spec.name)
+        assert inspect.signature(fn) == inspect.signature(getattr(pnn, spec.name)), spec.name
+        assert f":func:`portable_nn.{spec.name}`" in fn.__doc__
+        assert spec.doc.partition("\n")[2].strip() in fn.__doc__
+        schema = getattr(torch.ops.portable_nn, spec.name).default._schema
+        given = [a.name for a in schema.arguments][:-1]  # the trailing wrt mask is the adapter's
+        assert set(given) >= set(spec.arrays) - {"params"}, spec.name
+
+
 @pytest.mark.slow
 def test_torch_compile_inductor():
     """Inductor checks the fake implementations' shapes and strides against the real outputs."""

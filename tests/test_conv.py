@@ -258,7 +258,9 @@ def test_functional_path_for_immutable_arrays(monkeypatch, layout, geom_name):
 
 
 def _residuals(*args, **kwargs):
-    from portable_nn.api.conv import _prepare_conv
+    from portable_nn.api._common import spec_of
+
+    _prepare_conv = spec_of("conv").prepare
 
     call = _prepare_conv(*args, **kwargs).call.replace(save=True)
     (y,), residuals = ref_conv.conv_forward(call)

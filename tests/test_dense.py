@@ -19,7 +19,8 @@ from pnn_testing import (
     to_numpy,
     unchanged,
 )
-from portable_nn.api.dense import _prepare_dense, dense
+from portable_nn.api._common import spec_of
+from portable_nn.api.dense import dense
 from portable_nn.reference import dense as ref_dense
 from torch_oracle import TORCH_ACT, activation_arg
 
@@ -126,7 +127,7 @@ def test_directional_derivatives(act):
 
 
 def _residuals(*args, **kwargs):
-    call = _prepare_dense(*args, **kwargs).call.replace(save=True)
+    call = spec_of("dense").prepare(*args, **kwargs).call.replace(save=True)
     (y,), residuals = ref_dense.dense_forward(call)
     return y, residuals
 

@@ -192,7 +192,9 @@ def test_conv_out_buffers_written_in_place(path, method):
 @pytest.mark.parametrize("act, kept", [("identity", None), ("relu", "y"), ("tanh", "y"), ("gelu", "z")])
 def test_conv_residuals_are_modest(act, kept):
     """No im2col buffer is kept: the (padded) input, the weight matrix and y or z only."""
-    from portable_nn.api.conv import _prepare_conv
+    from portable_nn.api._common import spec_of
+
+    _prepare_conv = spec_of("conv").prepare
 
     (x, w, b), kwargs = _conv_data(GEOMS["lenet-like"], "first", np.float32)
     call = _prepare_conv(x, w, b, activation=act, **kwargs).call.replace(save=True)
@@ -225,7 +227,9 @@ def test_conv_lenet_first_layer_takes_the_direct_loops():
 @pytest.mark.parametrize("act, kept", [("identity", None), ("relu", "y"), ("gelu", "z")])
 def test_conv_shifted_residuals(act, kept):
     """The shifted products keep their phase buffer (about x's size), the tap weights and y or z."""
-    from portable_nn.api.conv import _prepare_conv
+    from portable_nn.api._common import spec_of
+
+    _prepare_conv = spec_of("conv").prepare
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 48, 24, 24)).astype(np.float32)  # 16 channels per group, 7.6% dropped
@@ -262,7 +266,9 @@ def test_conv_resnet_layer_float32_matches_reference():
 
 
 def _prepared(x, w, b, kwargs):
-    from portable_nn.api.conv import _prepare_conv
+    from portable_nn.api._common import spec_of
+
+    _prepare_conv = spec_of("conv").prepare
 
     return _prepare_conv(x, w, b, **kwargs).call
 
@@ -359,7 +365,9 @@ def test_dense_out_buffers_written_in_place(path):
 
 @pytest.mark.parametrize("act, kept", [("identity", None), ("relu", "y"), ("silu", "z")])
 def test_dense_residuals(act, kept):
-    from portable_nn.api.dense import _prepare_dense
+    from portable_nn.api._common import spec_of
+
+    _prepare_dense = spec_of("dense").prepare
 
     x, w, b = _dense_data((4,), 5, 3, np.float32)
     call = _prepare_dense(x, w, b, activation=act).call.replace(save=True)

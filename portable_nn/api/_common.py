@@ -11,14 +11,17 @@ every computation has succeeded.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
 from collections import namedtuple
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _arrays, dispatch
+from ._types import ARRAY_KINDS
 
 _GRAD_TYPES: dict[tuple[str, tuple[str, ...]], type] = {}
 
@@ -43,6 +46,8 @@ class Prepared:
         values: those arguments as passed (``None`` where not given).
         n_diff_outputs: how many leading outputs take a cotangent.
         finish: turns the implementation's outputs into the caller's result.
+        mutates: whether ``finish`` updates arguments in place (running statistics
+            without ``return_stats``).
         flatten_cotangent: for ops whose result nests outputs (lstm's
             ``(outputs, (h_n, c_n))``), turns the caller's cotangent, which
             mirrors the result, into the flat tuple of ``n_diff_outputs``
@@ -56,6 +61,7 @@ class Prepared:
     n_diff_outputs: int = 1
     finish: Callable[[tuple[Any, ...]], Any] = field(default=lambda outputs: outputs[0])
     flatten_cotangent: Callable[[Any], Any] | None = None
+    mutates: bool = False
 
     @property
     def given(self) -> frozenset[str]:
@@ -64,31 +70,117 @@ class Prepared:
 
 @dataclass(frozen=True)
 class OpSpec:
-    """A public op: its name, its validating ``prepare`` and its gradient fields."""
+    """A public op, described once; everything else about the op is derived from it.
+
+    Built by :func:`public_op` from the decorated function, whose signature (argument names,
+    kinds — the annotations, see :mod:`portable_nn.api._types` — and defaults) and docstring are
+    the op's own.  Dispatch's op list, the reference's lookup, ``vjp``, ``explain`` and both
+    adapters' functions (``portable_nn.torch``'s custom-op schemas, ``portable_nn.jax``'s split
+    into traced and static arguments) read it.
+
+    Attributes:
+        name: the op's name (the function's).
+        prepare: the decorated function: validates the arguments and returns a :class:`Prepared`.
+        grad_fields: its differentiable arguments (``vjp``'s fields), in signature order.
+        outputs: the structure of its result: a name (one array), or a tuple of names and
+            nested tuples (``("outputs", ("h_n", "c_n"))`` for ``lstm``).
+        updates: arguments it updates in place after the computation (running statistics), which
+            ``return_stats=True`` returns instead (the result is then ``(outputs, *updates)``).
+    """
 
     name: str
     prepare: Callable[..., Prepared]
     grad_fields: tuple[str, ...]
+    outputs: Any = "y"
+    updates: tuple[str, ...] = ()
+    #: The public op users call (set by :func:`public_op`).
+    function: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         prepared = self.prepare(*args, **kwargs)
         executed = dispatch.run(prepared.call)
         return prepared.finish(executed.outputs)
 
+    @functools.cached_property
+    def signature(self) -> inspect.Signature:
+        """The op's signature (annotations are argument kinds, as strings)."""
+        return inspect.signature(self.prepare)
 
-def public_op(spec: OpSpec) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Attach ``spec`` to the public function, so ``vjp`` and ``explain`` find it."""
+    @functools.cached_property
+    def arguments(self) -> dict[str, str]:
+        """Argument name -> its kind (one of :data:`portable_nn.api._types.KINDS`), in signature order."""
+        return {name: str(p.annotation) for name, p in self.signature.parameters.items()}
 
-    def attach(fn: Callable[..., Any]) -> Callable[..., Any]:
-        fn._pnn_spec = spec  # type: ignore[attr-defined]
+    @property
+    def arrays(self) -> tuple[str, ...]:
+        """The arguments that hold arrays (kinds in :data:`portable_nn.api._types.ARRAY_KINDS`)."""
+        return tuple(name for name, kind in self.arguments.items() if kind in ARRAY_KINDS)
+
+    @property
+    def family(self) -> str:
+        """The op family: the api module that declares it (``"norm"``, ``"rnn"`` …)."""
+        return self.prepare.__module__.rpartition(".")[2]
+
+    @property
+    def doc(self) -> str:
+        """The op's docstring."""
+        return inspect.getdoc(self.prepare) or ""
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        """The names of the flat outputs, in order (with ``return_stats``, the updates follow)."""
+        return tuple(_leaves(self.outputs))
+
+
+def _leaves(tree: Any) -> Iterator[str]:
+    if isinstance(tree, tuple):
+        for item in tree:
+            yield from _leaves(item)
+    else:
+        yield tree
+
+
+def public_op(
+    *, grad_fields: tuple[str, ...], outputs: Any = "y", updates: tuple[str, ...] = ()
+) -> Callable[[Callable[..., Prepared]], Callable[..., Any]]:
+    """Declare a public op: the decorated function validates its arguments and returns a :class:`Prepared`.
+
+    The op users call has the function's name, signature and docstring; it runs the validation,
+    dispatches the call and returns the :class:`Prepared`'s ``finish`` of the outputs.  The
+    :class:`OpSpec` describing it is attached (``_pnn_spec``) and the op is declared to dispatch,
+    so no list of ops is written anywhere else.
+
+    Args:
+        grad_fields: the differentiable arguments (``vjp``'s fields), in signature order.
+        outputs: the result's structure (see :attr:`OpSpec.outputs`).
+        updates: the arguments updated in place unless ``return_stats=True``.
+    """
+
+    def declare(prepare: Callable[..., Prepared]) -> Callable[..., Any]:
+        spec = OpSpec(prepare.__name__, prepare, tuple(grad_fields), outputs, tuple(updates))
+
+        @functools.wraps(prepare)
+        def op(*args: Any, **kwargs: Any) -> Any:
+            prepared = prepare(*args, **kwargs)
+            return prepared.finish(dispatch.run(prepared.call).outputs)
+
+        op._pnn_spec = spec  # type: ignore[attr-defined]
+        object.__setattr__(spec, "function", op)  # frozen: the op exists only once the spec does
         _SPECS[spec.name] = spec
-        dispatch.declare_op(spec.name, fn.__module__.rpartition(".")[2])
-        return fn
+        dispatch.declare_op(spec.name, spec.family)
+        return op
 
-    return attach
+    return declare
 
 
 _SPECS: dict[str, OpSpec] = {}
+
+
+def all_specs() -> tuple[OpSpec, ...]:
+    """Every public op's :class:`OpSpec`, in the order the api declares them."""
+    from .. import api  # noqa: F401  - registers every op
+
+    return tuple(_SPECS.values())
 
 
 def spec_of(op: Any) -> OpSpec:

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..kernel_codes import ACTIVATION_CODES
 
-__all__ = ["ACTIVATIONS", "Activation", "ActivationLike", "parse_activation"]
+__all__ = ["ACTIVATIONS", "Activation"]  # the public names (pnn.ACTIVATIONS …)
 
 ACTIVATIONS: dict[str, int] = ACTIVATION_CODES  # defined in portable_nn.kernel_codes, with the kernels' names
 """Every activation name mapped to its runtime code, shared by every kernel.

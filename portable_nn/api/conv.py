@@ -25,7 +25,6 @@ from typing import Any
 
 from .. import _arrays
 from ._common import (
-    OpSpec,
     Prepared,
     check_array,
     check_int,
@@ -38,14 +37,13 @@ from ._common import (
     public_op,
     spatial_layout,
 )
+from ._types import Array, IntOrTuple, Padding
 from .activations import ActivationLike, parse_activation
 
 __all__ = ["conv"]
 
 _CONV_FIELDS = ("x", "weight", "bias")
 
-IntOrTuple = int | tuple[int, ...]
-Padding = int | str | tuple[int | tuple[int, int], ...]
 
 
 def _padding_pairs(
@@ -94,103 +92,11 @@ def _padding_pairs(
     return tuple(lo), tuple(hi)
 
 
-def _prepare_conv(
-    x: Any,
-    weight: Any,
-    bias: Any = None,
-    *,
-    stride: IntOrTuple = 1,
-    padding: Padding = 0,
-    dilation: IntOrTuple = 1,
-    groups: int = 1,
-    activation: ActivationLike = "identity",
-    channel_axis: int = 1,
-) -> Prepared:
-    named = {"x": x, "weight": weight, "bias": bias}
-    for name, value in named.items():
-        check_array(value, name, optional=name == "bias")
-    family, device = check_same_library(named)
-    xp = _arrays.namespace(x)
-    dtype = floating_dtype(xp, x, "x")
-    mixed = check_param_dtypes(xp, dtype, {"weight": weight, "bias": bias})
-
-    if weight.ndim not in (3, 4, 5):
-        raise ValueError(
-            "weight must be (out_channels, in_channels/groups, *kernel) with 1 to 3 kernel axes "
-            f"(3 to 5 dimensions), got shape {tuple(weight.shape)}"
-        )
-    d = weight.ndim - 2
-    batched, layout, x_channel_axis, spatial_axes = spatial_layout(
-        x, d, channel_axis, f"a {d}-D convolution (weight has shape {tuple(weight.shape)})"
-    )
-
-    groups = check_int(groups, "groups", minimum=1)
-    out_channels = int(weight.shape[0])
-    group_in = int(weight.shape[1])
-    kernel = tuple(int(s) for s in weight.shape[2:])
-    channels = int(x.shape[x_channel_axis])
-    if any(k < 1 for k in kernel):
-        raise ValueError(f"weight must have kernel sizes >= 1, got shape {tuple(weight.shape)}")
-    if channels % groups:
-        raise ValueError(f"x has {channels} channels, which groups={groups} does not divide")
-    if out_channels % groups:
-        raise ValueError(
-            f"weight has {out_channels} output channels (weight.shape[0]), which groups={groups} does not divide"
-        )
-    if channels != groups * group_in:
-        raise ValueError(
-            f"x has {channels} channels (axis {x_channel_axis} of shape {tuple(x.shape)}) but weight expects "
-            f"groups * weight.shape[1] = {groups} * {group_in} = {groups * group_in}"
-        )
-    check_shape(bias, "bias", (out_channels,), "one value per output channel, weight.shape[0]")
-
-    strides = per_axis(stride, d, "stride", 1)
-    dil = per_axis(dilation, d, "dilation", 1)
-    pad_lo, pad_hi = _padding_pairs(padding, d, kernel, strides, dil)
-    in_size = tuple(int(x.shape[a]) for a in spatial_axes)
-    out_size = []
-    for i in range(d):
-        eff = dil[i] * (kernel[i] - 1) + 1
-        padded = in_size[i] + pad_lo[i] + pad_hi[i]
-        out = (padded - eff) // strides[i] + 1 if padded >= eff else 0
-        if out < 1:
-            what = f"kernel size {kernel[i]}"
-            if dil[i] > 1:
-                what += f" with dilation {dil[i]} (effective size {eff})"
-            raise ValueError(
-                f"weight's {what} on spatial axis {i} is larger than x's padded size there "
-                f"({in_size[i]} + padding {pad_lo[i]} + {pad_hi[i]} = {padded}; x has shape {tuple(x.shape)}): "
-                "the convolution has no output; pad more or use a smaller kernel"
-            )
-        out_size.append(out)
-
-    params = {
-        "spatial_axes": spatial_axes,
-        "channel_axis": x_channel_axis,
-        "batched": batched,
-        "groups": groups,
-        "kernel": kernel,
-        "stride": strides,
-        "dilation": dil,
-        "pad_lo": pad_lo,
-        "pad_hi": pad_hi,
-        "in_size": in_size,
-        "out_size": tuple(out_size),
-        "activation": parse_activation(activation),
-        "mixed_precision": mixed,
-    }
-    call = make_call("conv", named, params, family=family, device=device, dtype=dtype, layout=layout)
-    return Prepared(call, _CONV_FIELDS, named)
-
-
-_CONV = OpSpec("conv", _prepare_conv, _CONV_FIELDS)
-
-
-@public_op(_CONV)
+@public_op(grad_fields=_CONV_FIELDS)
 def conv(
-    x: Any,
-    weight: Any,
-    bias: Any = None,
+    x: Array,
+    weight: Array,
+    bias: Array | None = None,
     *,
     stride: IntOrTuple = 1,
     padding: Padding = 0,
@@ -269,7 +175,78 @@ def conv(
         ``numba``).  ``pnn.explain`` reports which one a call runs and why the others were
         passed over.
     """
-    return _CONV(
-        x, weight, bias, stride=stride, padding=padding, dilation=dilation, groups=groups,
-        activation=activation, channel_axis=channel_axis,
+    named = {"x": x, "weight": weight, "bias": bias}
+    for name, value in named.items():
+        check_array(value, name, optional=name == "bias")
+    family, device = check_same_library(named)
+    xp = _arrays.namespace(x)
+    dtype = floating_dtype(xp, x, "x")
+    mixed = check_param_dtypes(xp, dtype, {"weight": weight, "bias": bias})
+
+    if weight.ndim not in (3, 4, 5):
+        raise ValueError(
+            "weight must be (out_channels, in_channels/groups, *kernel) with 1 to 3 kernel axes "
+            f"(3 to 5 dimensions), got shape {tuple(weight.shape)}"
+        )
+    d = weight.ndim - 2
+    batched, layout, x_channel_axis, spatial_axes = spatial_layout(
+        x, d, channel_axis, f"a {d}-D convolution (weight has shape {tuple(weight.shape)})"
     )
+
+    groups = check_int(groups, "groups", minimum=1)
+    out_channels = int(weight.shape[0])
+    group_in = int(weight.shape[1])
+    kernel = tuple(int(s) for s in weight.shape[2:])
+    channels = int(x.shape[x_channel_axis])
+    if any(k < 1 for k in kernel):
+        raise ValueError(f"weight must have kernel sizes >= 1, got shape {tuple(weight.shape)}")
+    if channels % groups:
+        raise ValueError(f"x has {channels} channels, which groups={groups} does not divide")
+    if out_channels % groups:
+        raise ValueError(
+            f"weight has {out_channels} output channels (weight.shape[0]), which groups={groups} does not divide"
+        )
+    if channels != groups * group_in:
+        raise ValueError(
+            f"x has {channels} channels (axis {x_channel_axis} of shape {tuple(x.shape)}) but weight expects "
+            f"groups * weight.shape[1] = {groups} * {group_in} = {groups * group_in}"
+        )
+    check_shape(bias, "bias", (out_channels,), "one value per output channel, weight.shape[0]")
+
+    strides = per_axis(stride, d, "stride", 1)
+    dil = per_axis(dilation, d, "dilation", 1)
+    pad_lo, pad_hi = _padding_pairs(padding, d, kernel, strides, dil)
+    in_size = tuple(int(x.shape[a]) for a in spatial_axes)
+    out_size = []
+    for i in range(d):
+        eff = dil[i] * (kernel[i] - 1) + 1
+        padded = in_size[i] + pad_lo[i] + pad_hi[i]
+        out = (padded - eff) // strides[i] + 1 if padded >= eff else 0
+        if out < 1:
+            what = f"kernel size {kernel[i]}"
+            if dil[i] > 1:
+                what += f" with dilation {dil[i]} (effective size {eff})"
+            raise ValueError(
+                f"weight's {what} on spatial axis {i} is larger than x's padded size there "
+                f"({in_size[i]} + padding {pad_lo[i]} + {pad_hi[i]} = {padded}; x has shape {tuple(x.shape)}): "
+                "the convolution has no output; pad more or use a smaller kernel"
+            )
+        out_size.append(out)
+
+    params = {
+        "spatial_axes": spatial_axes,
+        "channel_axis": x_channel_axis,
+        "batched": batched,
+        "groups": groups,
+        "kernel": kernel,
+        "stride": strides,
+        "dilation": dil,
+        "pad_lo": pad_lo,
+        "pad_hi": pad_hi,
+        "in_size": in_size,
+        "out_size": tuple(out_size),
+        "activation": parse_activation(activation),
+        "mixed_precision": mixed,
+    }
+    call = make_call("conv", named, params, family=family, device=device, dtype=dtype, layout=layout)
+    return Prepared(call, _CONV_FIELDS, named)

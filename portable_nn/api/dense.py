@@ -12,7 +12,6 @@ from typing import Any
 
 from .. import _arrays
 from ._common import (
-    OpSpec,
     Prepared,
     check_array,
     check_param_dtypes,
@@ -22,6 +21,7 @@ from ._common import (
     make_call,
     public_op,
 )
+from ._types import Array
 from .activations import ActivationLike, parse_activation
 
 __all__ = ["dense"]
@@ -29,40 +29,8 @@ __all__ = ["dense"]
 _DENSE_FIELDS = ("x", "weight", "bias")
 
 
-def _prepare_dense(x: Any, weight: Any, bias: Any = None, *, activation: ActivationLike = "identity") -> Prepared:
-    named = {"x": x, "weight": weight, "bias": bias}
-    for name, value in named.items():
-        check_array(value, name, optional=name == "bias")
-    family, device = check_same_library(named)
-    xp = _arrays.namespace(x)
-    dtype = floating_dtype(xp, x, "x")
-    mixed = check_param_dtypes(xp, dtype, {"weight": weight, "bias": bias})
-    if weight.ndim != 2:
-        raise ValueError(f"weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
-    if x.ndim < 1:
-        raise ValueError("x must have at least 1 dimension (..., in_features), got a 0-D array")
-    out_features, in_features = (int(s) for s in weight.shape)
-    if int(x.shape[-1]) != in_features:
-        raise ValueError(
-            f"x has {int(x.shape[-1])} features in its last axis (shape {tuple(x.shape)}) but weight of shape "
-            f"{tuple(weight.shape)} expects in_features = weight.shape[1] = {in_features}"
-        )
-    check_shape(bias, "bias", (out_features,), "(out_features,) = (weight.shape[0],)")
-    params = {
-        "activation": parse_activation(activation),
-        "in_features": in_features,
-        "out_features": out_features,
-        "mixed_precision": mixed,
-    }
-    call = make_call("dense", named, params, family=family, device=device, dtype=dtype)
-    return Prepared(call, _DENSE_FIELDS, named)
-
-
-_DENSE = OpSpec("dense", _prepare_dense, _DENSE_FIELDS)
-
-
-@public_op(_DENSE)
-def dense(x: Any, weight: Any, bias: Any = None, *, activation: ActivationLike = "identity") -> Any:
+@public_op(grad_fields=_DENSE_FIELDS)
+def dense(x: Array, weight: Array, bias: Array | None = None, *, activation: ActivationLike = "identity") -> Any:
     """Fully connected layer: y = act(x · weightᵀ + bias) (PyTorch's ``F.linear`` + activation).
 
     Args:
@@ -104,4 +72,29 @@ def dense(x: Any, weight: Any, bias: Any = None, *, activation: ActivationLike =
         where it measured faster than ``numba``). ``pnn.explain`` reports which one a
         call runs and why the others were passed over.
     """
-    return _DENSE(x, weight, bias, activation=activation)
+    named = {"x": x, "weight": weight, "bias": bias}
+    for name, value in named.items():
+        check_array(value, name, optional=name == "bias")
+    family, device = check_same_library(named)
+    xp = _arrays.namespace(x)
+    dtype = floating_dtype(xp, x, "x")
+    mixed = check_param_dtypes(xp, dtype, {"weight": weight, "bias": bias})
+    if weight.ndim != 2:
+        raise ValueError(f"weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
+    if x.ndim < 1:
+        raise ValueError("x must have at least 1 dimension (..., in_features), got a 0-D array")
+    out_features, in_features = (int(s) for s in weight.shape)
+    if int(x.shape[-1]) != in_features:
+        raise ValueError(
+            f"x has {int(x.shape[-1])} features in its last axis (shape {tuple(x.shape)}) but weight of shape "
+            f"{tuple(weight.shape)} expects in_features = weight.shape[1] = {in_features}"
+        )
+    check_shape(bias, "bias", (out_features,), "(out_features,) = (weight.shape[0],)")
+    params = {
+        "activation": parse_activation(activation),
+        "in_features": in_features,
+        "out_features": out_features,
+        "mixed_precision": mixed,
+    }
+    call = make_call("dense", named, params, family=family, device=device, dtype=dtype)
+    return Prepared(call, _DENSE_FIELDS, named)

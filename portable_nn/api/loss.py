@@ -18,7 +18,6 @@ import numpy as np
 
 from .. import _arrays
 from ._common import (
-    OpSpec,
     Prepared,
     check_array,
     check_fraction,
@@ -31,6 +30,7 @@ from ._common import (
     normalize_axis,
     public_op,
 )
+from ._types import Array
 
 __all__ = ["cross_entropy", "log_softmax"]
 
@@ -41,23 +41,8 @@ _REDUCTIONS = ("mean", "sum", "none")
 # --------------------------------------------------------------------------- log_softmax
 
 
-def _prepare_log_softmax(x: Any, *, axis: int = -1) -> Prepared:
-    check_array(x, "x")
-    family, device = check_same_library({"x": x})
-    xp = _arrays.namespace(x)
-    dtype = floating_dtype(xp, x, "x")
-    # A 0-d x is one class (as in PyTorch): axis -1 or 0.
-    resolved = normalize_axis(axis, max(x.ndim, 1), "axis")
-    params = {"axis": resolved, "scalar": x.ndim == 0}
-    call = make_call("log_softmax", {"x": x}, params, family=family, device=device, dtype=dtype)
-    return Prepared(call, ("x",), {"x": x})
-
-
-_LOG_SOFTMAX = OpSpec("log_softmax", _prepare_log_softmax, ("x",))
-
-
-@public_op(_LOG_SOFTMAX)
-def log_softmax(x: Any, *, axis: int = -1) -> Any:
+@public_op(grad_fields=("x",))
+def log_softmax(x: Array, *, axis: int = -1) -> Any:
     """Logarithm of the softmax along ``axis``, max-shifted for stability.
 
     y = x − m − log Σ_axis exp(x − m), with m = max_axis x.
@@ -86,7 +71,15 @@ def log_softmax(x: Any, *, axis: int = -1) -> Any:
         where ``pnn.capabilities()`` lists them. ``pnn.explain`` reports which one a
         call runs and why the others were passed over.
     """
-    return _LOG_SOFTMAX(x, axis=axis)
+    check_array(x, "x")
+    family, device = check_same_library({"x": x})
+    xp = _arrays.namespace(x)
+    dtype = floating_dtype(xp, x, "x")
+    # A 0-d x is one class (as in PyTorch): axis -1 or 0.
+    resolved = normalize_axis(axis, max(x.ndim, 1), "axis")
+    params = {"axis": resolved, "scalar": x.ndim == 0}
+    call = make_call("log_softmax", {"x": x}, params, family=family, device=device, dtype=dtype)
+    return Prepared(call, ("x",), {"x": x})
 
 
 # --------------------------------------------------------------------------- cross_entropy
@@ -132,96 +125,13 @@ def _check_labels(xp: Any, target: Any, classes: int, ignore_index: int) -> None
         )
 
 
-def _prepare_cross_entropy(
-    logits: Any,
-    target: Any,
-    *,
-    axis: int = 1,
-    weight: Any = None,
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
-    reduction: str = "mean",
-) -> Prepared:
-    check_array(logits, "logits")
-    check_array(target, "target")
-    check_array(weight, "weight", optional=True)
-    family, device = check_same_library({"logits": logits, "target": target, "weight": weight})
-    xp = _arrays.namespace(logits)
-    dtype = floating_dtype(xp, logits, "logits")
-    if logits.ndim == 0:
-        raise ValueError("logits must have a class axis: (C,), (N, C) or (N, C, d1, ...); got a 0-d array")
-    class_axis = _class_axis(logits, axis)
-    classes = int(logits.shape[class_axis])
-    if classes < 1:
-        raise ValueError(
-            f"logits must have at least one class along axis {class_axis}, got shape {tuple(logits.shape)}"
-        )
-
-    target_dtype = _arrays.dtype_name(xp, target.dtype)
-    if target_dtype in _INT_DTYPES:
-        probabilities = False
-        expected = tuple(int(s) for i, s in enumerate(logits.shape) if i != class_axis)
-        check_shape(target, "target", expected, "class indices: the logits' shape without the class axis")
-    elif target_dtype in _arrays.FLOAT_DTYPES:
-        if target_dtype != dtype:
-            raise TypeError(
-                f"target has dtype {target_dtype} but logits have {dtype}: probability targets must have "
-                "the logits' dtype (or pass integer class indices)"
-            )
-        probabilities = True
-        check_shape(target, "target", tuple(logits.shape), "class probabilities: the logits' shape")
-    else:
-        raise TypeError(
-            f"target must hold integer class indices or floating class probabilities, got dtype {target_dtype}"
-        )
-
-    mixed = check_param_dtypes(xp, dtype, {"weight": weight}, x_name="logits")
-    check_shape(weight, "weight", (classes,), "one weight per class")
-    ignore_index = check_int(ignore_index, "ignore_index")
-    label_smoothing = check_fraction(label_smoothing, "label_smoothing")
-    if not isinstance(reduction, str):
-        raise TypeError(f"reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, got {reduction!r}")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, got {reduction!r}")
-    if probabilities and ignore_index >= 0:
-        raise ValueError(
-            f"ignore_index={ignore_index} cannot apply to probability targets (only integer class targets "
-            "can be ignored); leave ignore_index at its default, as PyTorch requires"
-        )
-    if not probabilities:
-        _check_labels(xp, target, classes, ignore_index)
-
-    positions = 1  # N · d1 · ... : the number of loss terms
-    for i, s in enumerate(logits.shape):
-        if i != class_axis:
-            positions *= int(s)
-    params = {
-        "axis": class_axis,
-        "classes": classes,
-        "probabilities": probabilities,
-        "ignore_index": ignore_index,
-        "label_smoothing": label_smoothing,
-        "reduction": reduction,
-        "positions": positions,
-        "mixed_precision": mixed,
-    }
-    arrays = {"logits": logits, "target": target, "weight": weight}
-    call = make_call("cross_entropy", arrays, params, family=family, device=device, dtype=dtype)
-    if probabilities:
-        return Prepared(call, ("logits", "target"), {"logits": logits, "target": target})
-    return Prepared(call, ("logits",), {"logits": logits})
-
-
-_CROSS_ENTROPY = OpSpec("cross_entropy", _prepare_cross_entropy, ("logits", "target"))
-
-
-@public_op(_CROSS_ENTROPY)
+@public_op(grad_fields=("logits", "target"), outputs="loss")
 def cross_entropy(
-    logits: Any,
-    target: Any,
+    logits: Array,
+    target: Array,
     *,
     axis: int = 1,
-    weight: Any = None,
+    weight: Array | None = None,
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
@@ -286,7 +196,71 @@ def cross_entropy(
         where ``pnn.capabilities()`` lists them. ``pnn.explain`` reports which one a
         call runs and why the others were passed over.
     """
-    return _CROSS_ENTROPY(
-        logits, target, axis=axis, weight=weight, ignore_index=ignore_index,
-        label_smoothing=label_smoothing, reduction=reduction,
-    )
+    check_array(logits, "logits")
+    check_array(target, "target")
+    check_array(weight, "weight", optional=True)
+    family, device = check_same_library({"logits": logits, "target": target, "weight": weight})
+    xp = _arrays.namespace(logits)
+    dtype = floating_dtype(xp, logits, "logits")
+    if logits.ndim == 0:
+        raise ValueError("logits must have a class axis: (C,), (N, C) or (N, C, d1, ...); got a 0-d array")
+    class_axis = _class_axis(logits, axis)
+    classes = int(logits.shape[class_axis])
+    if classes < 1:
+        raise ValueError(
+            f"logits must have at least one class along axis {class_axis}, got shape {tuple(logits.shape)}"
+        )
+
+    target_dtype = _arrays.dtype_name(xp, target.dtype)
+    if target_dtype in _INT_DTYPES:
+        probabilities = False
+        expected = tuple(int(s) for i, s in enumerate(logits.shape) if i != class_axis)
+        check_shape(target, "target", expected, "class indices: the logits' shape without the class axis")
+    elif target_dtype in _arrays.FLOAT_DTYPES:
+        if target_dtype != dtype:
+            raise TypeError(
+                f"target has dtype {target_dtype} but logits have {dtype}: probability targets must have "
+                "the logits' dtype (or pass integer class indices)"
+            )
+        probabilities = True
+        check_shape(target, "target", tuple(logits.shape), "class probabilities: the logits' shape")
+    else:
+        raise TypeError(
+            f"target must hold integer class indices or floating class probabilities, got dtype {target_dtype}"
+        )
+
+    mixed = check_param_dtypes(xp, dtype, {"weight": weight}, x_name="logits")
+    check_shape(weight, "weight", (classes,), "one weight per class")
+    ignore_index = check_int(ignore_index, "ignore_index")
+    label_smoothing = check_fraction(label_smoothing, "label_smoothing")
+    if not isinstance(reduction, str):
+        raise TypeError(f"reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, got {reduction!r}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, got {reduction!r}")
+    if probabilities and ignore_index >= 0:
+        raise ValueError(
+            f"ignore_index={ignore_index} cannot apply to probability targets (only integer class targets "
+            "can be ignored); leave ignore_index at its default, as PyTorch requires"
+        )
+    if not probabilities and _arrays.has_values(target):
+        _check_labels(xp, target, classes, ignore_index)
+
+    positions = 1  # N · d1 · ... : the number of loss terms
+    for i, s in enumerate(logits.shape):
+        if i != class_axis:
+            positions *= int(s)
+    params = {
+        "axis": class_axis,
+        "classes": classes,
+        "probabilities": probabilities,
+        "ignore_index": ignore_index,
+        "label_smoothing": label_smoothing,
+        "reduction": reduction,
+        "positions": positions,
+        "mixed_precision": mixed,
+    }
+    arrays = {"logits": logits, "target": target, "weight": weight}
+    call = make_call("cross_entropy", arrays, params, family=family, device=device, dtype=dtype)
+    if probabilities:
+        return Prepared(call, ("logits", "target"), {"logits": logits, "target": target})
+    return Prepared(call, ("logits",), {"logits": logits})

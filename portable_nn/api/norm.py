@@ -13,7 +13,6 @@ from typing import Any
 
 from .. import _arrays
 from ._common import (
-    OpSpec,
     Prepared,
     channel_layout,
     check_array,
@@ -32,6 +31,7 @@ from ._common import (
     normalize_axes,
     public_op,
 )
+from ._types import Array, Axes
 from .activations import ActivationLike, parse_activation
 
 __all__ = [
@@ -44,6 +44,8 @@ __all__ = [
     "rms_norm",
 ]
 
+#: The running statistics batch and instance norm update in place (unless return_stats=True).
+_RUNNING = ("running_mean", "running_var")
 _NORM_FIELDS = ("x", "weight", "bias")
 
 
@@ -153,26 +155,8 @@ def _norm_params(
 # --------------------------------------------------------------------------- moments
 
 
-def _prepare_moments(x: Any, axis: Any = None, *, keepdims: bool = False, correction: float = 0) -> Prepared:
-    check_array(x, "x")
-    family, device = check_same_library({"x": x})
-    xp = _arrays.namespace(x)
-    dtype = floating_dtype(xp, x, "x")
-    axes = normalize_axes(axis, x.ndim, "axis")
-    if isinstance(correction, bool) or not isinstance(correction, (int, float)) or correction < 0:
-        raise ValueError(f"correction must be a non-negative number, got {correction!r}")
-    params = {"axes": axes, "keepdims": check_bool(keepdims, "keepdims"), "correction": float(correction)}
-    call = make_call("moments", {"x": x}, params, family=family, device=device, dtype=dtype)
-    return Prepared(call, ("x",), {"x": x}, n_diff_outputs=2, finish=lambda outputs: tuple(outputs))
-
-
-_MOMENTS = OpSpec("moments", _prepare_moments, ("x",))
-
-
-@public_op(_MOMENTS)
-def moments(
-    x: Any, axis: int | tuple[int, ...] | None = None, *, keepdims: bool = False, correction: float = 0
-) -> tuple[Any, Any]:
+@public_op(grad_fields=("x",), outputs=("mean", "var"))
+def moments(x: Array, axis: Axes | None = None, *, keepdims: bool = False, correction: float = 0) -> tuple[Any, Any]:
     """Mean and variance of ``x`` over ``axis``, computed stably.
 
     With n the number of reduced elements (``x.size`` for ``axis=None``):
@@ -211,7 +195,16 @@ def moments(
         float32 statistics, float32, float64).  ``pnn.explain`` reports which
         implementation a call runs.
     """
-    return _MOMENTS(x, axis, keepdims=keepdims, correction=correction)
+    check_array(x, "x")
+    family, device = check_same_library({"x": x})
+    xp = _arrays.namespace(x)
+    dtype = floating_dtype(xp, x, "x")
+    axes = normalize_axes(axis, x.ndim, "axis")
+    if isinstance(correction, bool) or not isinstance(correction, (int, float)) or correction < 0:
+        raise ValueError(f"correction must be a non-negative number, got {correction!r}")
+    params = {"axes": axes, "keepdims": check_bool(keepdims, "keepdims"), "correction": float(correction)}
+    call = make_call("moments", {"x": x}, params, family=family, device=device, dtype=dtype)
+    return Prepared(call, ("x",), {"x": x}, n_diff_outputs=2, finish=lambda outputs: tuple(outputs))
 
 
 def merge_moments(a: tuple[Any, Any, Any], b: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
@@ -289,81 +282,14 @@ def _counts_as(count: Any, like: Any) -> Any:
 # --------------------------------------------------------------------------- batch norm
 
 
-def _prepare_batch_norm(
-    x: Any,
-    weight: Any = None,
-    bias: Any = None,
-    *,
-    running_mean: Any = None,
-    running_var: Any = None,
-    training: bool = True,
-    momentum: float = 0.1,
-    eps: float = 1e-5,
-    channel_axis: int = 1,
-    activation: ActivationLike = "identity",
-    return_stats: bool = False,
-) -> Prepared:
-    named = {"x": x, "weight": weight, "bias": bias, "running_mean": running_mean, "running_var": running_var}
-    _, family, device, dtype, mixed = _check_arrays(named, ("weight", "bias", "running_mean", "running_var"))
-    check_min_ndim(x, "x", 2, "(N, C, ...)")
-    axis, layout, channels, param_shape = _channel_plan(x, channel_axis)
-    check_shape(weight, "weight", (channels,), "one value per channel")
-    check_shape(bias, "bias", (channels,), "one value per channel")
-    _check_running(running_mean, running_var, channels)
-    params = _common_params(eps, activation)
-    training = check_bool(training, "training")
-    momentum = check_fraction(momentum, "momentum")
-    return_stats = check_bool(return_stats, "return_stats")
-    axes = tuple(i for i in range(x.ndim) if i != axis)
-    per_channel = 1
-    for i in axes:
-        per_channel *= int(x.shape[i])
-    if not training and running_mean is None:
-        raise ValueError("running_mean and running_var are required when training=False")
-    if training and per_channel == 1:
-        raise ValueError(
-            f"x of shape {tuple(x.shape)} has one value per channel; batch statistics need "
-            "more than 1 value per channel when training"
-        )
-    update = training and running_mean is not None
-    if update and not return_stats:
-        check_writable(running_mean, "running_mean")
-        check_writable(running_var, "running_var")
-        check_distinct({"running_mean": running_mean, "running_var": running_var})
-    params.update(
-        _norm_params(
-            axes=axes,
-            view_shape=tuple(x.shape),
-            param_shape=param_shape,
-            use_batch_stats=training,
-            update_running=update,
-            momentum=momentum,
-            mixed=mixed,
-            kind="batch_norm",
-            channel_axis=axis,
-        )
-    )
-    arrays = {"x": x, "weight": weight, "bias": bias, "running_mean": running_mean, "running_var": running_var}
-    call = make_call("batch_norm", arrays, params, family=family, device=device, dtype=dtype, layout=layout)
-    return Prepared(
-        call,
-        _NORM_FIELDS,
-        {"x": x, "weight": weight, "bias": bias},
-        finish=_finish_with_stats(running_mean, running_var, return_stats),
-    )
-
-
-_BATCH_NORM = OpSpec("batch_norm", _prepare_batch_norm, _NORM_FIELDS)
-
-
-@public_op(_BATCH_NORM)
+@public_op(grad_fields=_NORM_FIELDS, updates=_RUNNING)
 def batch_norm(
-    x: Any,
-    weight: Any = None,
-    bias: Any = None,
+    x: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
     *,
-    running_mean: Any = None,
-    running_var: Any = None,
+    running_mean: Array | None = None,
+    running_var: Array | None = None,
     training: bool = True,
     momentum: float = 0.1,
     eps: float = 1e-5,
@@ -434,52 +360,67 @@ def batch_norm(
         ``pnn.capabilities()`` lists them.  ``pnn.explain`` reports which one a call
         runs and why the others were passed over.
     """
-    return _BATCH_NORM(
-        x, weight, bias, running_mean=running_mean, running_var=running_var, training=training,
-        momentum=momentum, eps=eps, channel_axis=channel_axis, activation=activation,
-        return_stats=return_stats,
+    named = {"x": x, "weight": weight, "bias": bias, "running_mean": running_mean, "running_var": running_var}
+    _, family, device, dtype, mixed = _check_arrays(named, ("weight", "bias", "running_mean", "running_var"))
+    check_min_ndim(x, "x", 2, "(N, C, ...)")
+    axis, layout, channels, param_shape = _channel_plan(x, channel_axis)
+    check_shape(weight, "weight", (channels,), "one value per channel")
+    check_shape(bias, "bias", (channels,), "one value per channel")
+    _check_running(running_mean, running_var, channels)
+    params = _common_params(eps, activation)
+    training = check_bool(training, "training")
+    momentum = check_fraction(momentum, "momentum")
+    return_stats = check_bool(return_stats, "return_stats")
+    axes = tuple(i for i in range(x.ndim) if i != axis)
+    per_channel = 1
+    for i in axes:
+        per_channel *= int(x.shape[i])
+    if not training and running_mean is None:
+        raise ValueError("running_mean and running_var are required when training=False")
+    if training and per_channel == 1:
+        raise ValueError(
+            f"x of shape {tuple(x.shape)} has one value per channel; batch statistics need "
+            "more than 1 value per channel when training"
+        )
+    update = training and running_mean is not None
+    if update and not return_stats:
+        check_writable(running_mean, "running_mean")
+        check_writable(running_var, "running_var")
+        check_distinct({"running_mean": running_mean, "running_var": running_var})
+    params.update(
+        _norm_params(
+            axes=axes,
+            view_shape=tuple(x.shape),
+            param_shape=param_shape,
+            use_batch_stats=training,
+            update_running=update,
+            momentum=momentum,
+            mixed=mixed,
+            kind="batch_norm",
+            channel_axis=axis,
+        )
+    )
+    arrays = {"x": x, "weight": weight, "bias": bias, "running_mean": running_mean, "running_var": running_var}
+    call = make_call("batch_norm", arrays, params, family=family, device=device, dtype=dtype, layout=layout)
+    return Prepared(
+        call,
+        _NORM_FIELDS,
+        {"x": x, "weight": weight, "bias": bias},
+        finish=_finish_with_stats(running_mean, running_var, return_stats),
+        mutates=update and not return_stats,
     )
 
 
 # --------------------------------------------------------------------------- layer norm, rms norm
 
 
-def _prepare_layer_norm(
-    x: Any,
-    weight: Any = None,
-    bias: Any = None,
-    *,
-    axis: int | tuple[int, ...] = -1,
-    eps: float = 1e-5,
-    activation: ActivationLike = "identity",
-) -> Prepared:
-    _, family, device, dtype, mixed = _check_arrays({"x": x, "weight": weight, "bias": bias}, ("weight", "bias"))
-    check_min_ndim(x, "x", 1, "the normalised axes")
-    axes = _trailing_axes(axis, x)
-    normalized = tuple(int(x.shape[i]) for i in axes)
-    check_shape(weight, "weight", normalized, "the shape of the normalised axes of x")
-    check_shape(bias, "bias", normalized, "the shape of the normalised axes of x")
-    params = _common_params(eps, activation)
-    param_shape = (1,) * (x.ndim - len(axes)) + normalized
-    params.update(
-        _norm_params(axes=axes, view_shape=tuple(x.shape), param_shape=param_shape,
-                     use_batch_stats=True, mixed=mixed, kind="layer_norm")
-    )
-    call = make_call("layer_norm", {"x": x, "weight": weight, "bias": bias}, params,
-                     family=family, device=device, dtype=dtype)
-    return Prepared(call, _NORM_FIELDS, {"x": x, "weight": weight, "bias": bias})
-
-
-_LAYER_NORM = OpSpec("layer_norm", _prepare_layer_norm, _NORM_FIELDS)
-
-
-@public_op(_LAYER_NORM)
+@public_op(grad_fields=_NORM_FIELDS)
 def layer_norm(
-    x: Any,
-    weight: Any = None,
-    bias: Any = None,
+    x: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
     *,
-    axis: int | tuple[int, ...] = -1,
+    axis: Axes = -1,
     eps: float = 1e-5,
     activation: ActivationLike = "identity",
 ) -> Any:
@@ -527,30 +468,25 @@ def layer_norm(
         where ``pnn.capabilities()`` lists them.  ``pnn.explain`` reports which one a
         call runs and why the others were passed over.
     """
-    return _LAYER_NORM(x, weight, bias, axis=axis, eps=eps, activation=activation)
-
-
-def _prepare_rms_norm(x: Any, weight: Any = None, *, axis: int | tuple[int, ...] = -1, eps: float = 1e-6) -> Prepared:
-    _, family, device, dtype, mixed = _check_arrays({"x": x, "weight": weight}, ("weight",))
+    _, family, device, dtype, mixed = _check_arrays({"x": x, "weight": weight, "bias": bias}, ("weight", "bias"))
     check_min_ndim(x, "x", 1, "the normalised axes")
     axes = _trailing_axes(axis, x)
     normalized = tuple(int(x.shape[i]) for i in axes)
     check_shape(weight, "weight", normalized, "the shape of the normalised axes of x")
-    params = _common_params(eps, "identity")
+    check_shape(bias, "bias", normalized, "the shape of the normalised axes of x")
+    params = _common_params(eps, activation)
+    param_shape = (1,) * (x.ndim - len(axes)) + normalized
     params.update(
-        _norm_params(axes=axes, view_shape=tuple(x.shape), param_shape=(1,) * (x.ndim - len(axes)) + normalized,
-                     use_batch_stats=True, center=False, mixed=mixed, kind="rms_norm")
+        _norm_params(axes=axes, view_shape=tuple(x.shape), param_shape=param_shape,
+                     use_batch_stats=True, mixed=mixed, kind="layer_norm")
     )
-    call = make_call("rms_norm", {"x": x, "weight": weight, "bias": None}, params,
+    call = make_call("layer_norm", {"x": x, "weight": weight, "bias": bias}, params,
                      family=family, device=device, dtype=dtype)
-    return Prepared(call, ("x", "weight"), {"x": x, "weight": weight})
+    return Prepared(call, _NORM_FIELDS, {"x": x, "weight": weight, "bias": bias})
 
 
-_RMS_NORM = OpSpec("rms_norm", _prepare_rms_norm, ("x", "weight"))
-
-
-@public_op(_RMS_NORM)
-def rms_norm(x: Any, weight: Any = None, *, axis: int | tuple[int, ...] = -1, eps: float = 1e-6) -> Any:
+@public_op(grad_fields=("x", "weight"))
+def rms_norm(x: Array, weight: Array | None = None, *, axis: Axes = -1, eps: float = 1e-6) -> Any:
     """Root-mean-square normalisation over the trailing ``axis``.
 
     Per sample, over the trailing axes named by ``axis``:
@@ -590,53 +526,30 @@ def rms_norm(x: Any, weight: Any = None, *, axis: int | tuple[int, ...] = -1, ep
         where ``pnn.capabilities()`` lists them.  ``pnn.explain`` reports which one a
         call runs and why the others were passed over.
     """
-    return _RMS_NORM(x, weight, axis=axis, eps=eps)
+    _, family, device, dtype, mixed = _check_arrays({"x": x, "weight": weight}, ("weight",))
+    check_min_ndim(x, "x", 1, "the normalised axes")
+    axes = _trailing_axes(axis, x)
+    normalized = tuple(int(x.shape[i]) for i in axes)
+    check_shape(weight, "weight", normalized, "the shape of the normalised axes of x")
+    params = _common_params(eps, "identity")
+    params.update(
+        _norm_params(axes=axes, view_shape=tuple(x.shape), param_shape=(1,) * (x.ndim - len(axes)) + normalized,
+                     use_batch_stats=True, center=False, mixed=mixed, kind="rms_norm")
+    )
+    call = make_call("rms_norm", {"x": x, "weight": weight, "bias": None}, params,
+                     family=family, device=device, dtype=dtype)
+    return Prepared(call, ("x", "weight"), {"x": x, "weight": weight})
 
 
 # --------------------------------------------------------------------------- group norm
 
 
-def _prepare_group_norm(
-    x: Any,
-    num_groups: int,
-    weight: Any = None,
-    bias: Any = None,
-    *,
-    eps: float = 1e-5,
-    channel_axis: int = 1,
-    activation: ActivationLike = "identity",
-) -> Prepared:
-    _, family, device, dtype, mixed = _check_arrays({"x": x, "weight": weight, "bias": bias}, ("weight", "bias"))
-    check_min_ndim(x, "x", 2, "(N, C, ...)")
-    axis, layout, channels, _ = _channel_plan(x, channel_axis)
-    groups = check_int(num_groups, "num_groups", minimum=1)
-    if channels % groups:
-        raise ValueError(f"num_groups ({groups}) must divide the number of channels ({channels})")
-    check_shape(weight, "weight", (channels,), "one value per channel")
-    check_shape(bias, "bias", (channels,), "one value per channel")
-    params = _common_params(eps, activation)
-    shape = tuple(int(s) for s in x.shape)
-    view = (*shape[:axis], groups, channels // groups, *shape[axis + 1 :])
-    axes = tuple(i for i in range(1, len(view)) if i != axis)
-    param_shape = tuple(view[i] if i in (axis, axis + 1) else 1 for i in range(len(view)))
-    params.update(
-        _norm_params(axes=axes, view_shape=view, param_shape=param_shape, use_batch_stats=True,
-                     mixed=mixed, kind="group_norm", num_groups=groups, channel_axis=axis)
-    )
-    call = make_call("group_norm", {"x": x, "weight": weight, "bias": bias}, params,
-                     family=family, device=device, dtype=dtype, layout=layout)
-    return Prepared(call, _NORM_FIELDS, {"x": x, "weight": weight, "bias": bias})
-
-
-_GROUP_NORM = OpSpec("group_norm", _prepare_group_norm, _NORM_FIELDS)
-
-
-@public_op(_GROUP_NORM)
+@public_op(grad_fields=_NORM_FIELDS)
 def group_norm(
-    x: Any,
+    x: Array,
     num_groups: int,
-    weight: Any = None,
-    bias: Any = None,
+    weight: Array | None = None,
+    bias: Array | None = None,
     *,
     eps: float = 1e-5,
     channel_axis: int = 1,
@@ -692,78 +605,39 @@ def group_norm(
         ``pnn.capabilities()`` lists them.  ``pnn.explain`` reports which one a call
         runs and why the others were passed over.
     """
-    return _GROUP_NORM(x, num_groups, weight, bias, eps=eps, channel_axis=channel_axis, activation=activation)
+    _, family, device, dtype, mixed = _check_arrays({"x": x, "weight": weight, "bias": bias}, ("weight", "bias"))
+    check_min_ndim(x, "x", 2, "(N, C, ...)")
+    axis, layout, channels, _ = _channel_plan(x, channel_axis)
+    groups = check_int(num_groups, "num_groups", minimum=1)
+    if channels % groups:
+        raise ValueError(f"num_groups ({groups}) must divide the number of channels ({channels})")
+    check_shape(weight, "weight", (channels,), "one value per channel")
+    check_shape(bias, "bias", (channels,), "one value per channel")
+    params = _common_params(eps, activation)
+    shape = tuple(int(s) for s in x.shape)
+    view = (*shape[:axis], groups, channels // groups, *shape[axis + 1 :])
+    axes = tuple(i for i in range(1, len(view)) if i != axis)
+    param_shape = tuple(view[i] if i in (axis, axis + 1) else 1 for i in range(len(view)))
+    params.update(
+        _norm_params(axes=axes, view_shape=view, param_shape=param_shape, use_batch_stats=True,
+                     mixed=mixed, kind="group_norm", num_groups=groups, channel_axis=axis)
+    )
+    call = make_call("group_norm", {"x": x, "weight": weight, "bias": bias}, params,
+                     family=family, device=device, dtype=dtype, layout=layout)
+    return Prepared(call, _NORM_FIELDS, {"x": x, "weight": weight, "bias": bias})
 
 
 # --------------------------------------------------------------------------- instance norm
 
 
-def _prepare_instance_norm(
-    x: Any,
-    weight: Any = None,
-    bias: Any = None,
-    *,
-    running_mean: Any = None,
-    running_var: Any = None,
-    use_input_stats: bool = True,
-    momentum: float = 0.1,
-    eps: float = 1e-5,
-    channel_axis: int = 1,
-    activation: ActivationLike = "identity",
-    return_stats: bool = False,
-) -> Prepared:
-    named = {"x": x, "weight": weight, "bias": bias, "running_mean": running_mean, "running_var": running_var}
-    _, family, device, dtype, mixed = _check_arrays(named, ("weight", "bias", "running_mean", "running_var"))
-    check_min_ndim(x, "x", 3, "(N, C, *spatial) with at least one spatial axis")
-    axis, layout, channels, param_shape = _channel_plan(x, channel_axis)
-    check_shape(weight, "weight", (channels,), "one value per channel")
-    check_shape(bias, "bias", (channels,), "one value per channel")
-    _check_running(running_mean, running_var, channels)
-    params = _common_params(eps, activation)
-    use_input_stats = check_bool(use_input_stats, "use_input_stats")
-    momentum = check_fraction(momentum, "momentum")
-    return_stats = check_bool(return_stats, "return_stats")
-    axes = tuple(i for i in range(1, x.ndim) if i != axis)
-    spatial = 1
-    for i in axes:
-        spatial *= int(x.shape[i])
-    if not use_input_stats and running_mean is None:
-        raise ValueError("running_mean and running_var are required when use_input_stats=False")
-    if use_input_stats and spatial == 1:
-        raise ValueError(
-            f"x of shape {tuple(x.shape)} has 1 spatial element; instance statistics need "
-            "more than 1 spatial element when use_input_stats=True"
-        )
-    update = use_input_stats and running_mean is not None
-    if update and not return_stats:
-        check_writable(running_mean, "running_mean")
-        check_writable(running_var, "running_var")
-        check_distinct({"running_mean": running_mean, "running_var": running_var})
-    params.update(
-        _norm_params(axes=axes, view_shape=tuple(x.shape), param_shape=param_shape,
-                     use_batch_stats=use_input_stats, update_running=update, stats_batch_axis=0,
-                     momentum=momentum, mixed=mixed, kind="instance_norm", channel_axis=axis)
-    )
-    call = make_call("instance_norm", named, params, family=family, device=device, dtype=dtype, layout=layout)
-    return Prepared(
-        call,
-        _NORM_FIELDS,
-        {"x": x, "weight": weight, "bias": bias},
-        finish=_finish_with_stats(running_mean, running_var, return_stats),
-    )
-
-
-_INSTANCE_NORM = OpSpec("instance_norm", _prepare_instance_norm, _NORM_FIELDS)
-
-
-@public_op(_INSTANCE_NORM)
+@public_op(grad_fields=_NORM_FIELDS, updates=_RUNNING)
 def instance_norm(
-    x: Any,
-    weight: Any = None,
-    bias: Any = None,
+    x: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
     *,
-    running_mean: Any = None,
-    running_var: Any = None,
+    running_mean: Array | None = None,
+    running_var: Array | None = None,
     use_input_stats: bool = True,
     momentum: float = 0.1,
     eps: float = 1e-5,
@@ -836,8 +710,43 @@ def instance_norm(
         ``pnn.capabilities()`` lists them.  ``pnn.explain`` reports which one a call
         runs and why the others were passed over.
     """
-    return _INSTANCE_NORM(
-        x, weight, bias, running_mean=running_mean, running_var=running_var,
-        use_input_stats=use_input_stats, momentum=momentum, eps=eps, channel_axis=channel_axis,
-        activation=activation, return_stats=return_stats,
+    named = {"x": x, "weight": weight, "bias": bias, "running_mean": running_mean, "running_var": running_var}
+    _, family, device, dtype, mixed = _check_arrays(named, ("weight", "bias", "running_mean", "running_var"))
+    check_min_ndim(x, "x", 3, "(N, C, *spatial) with at least one spatial axis")
+    axis, layout, channels, param_shape = _channel_plan(x, channel_axis)
+    check_shape(weight, "weight", (channels,), "one value per channel")
+    check_shape(bias, "bias", (channels,), "one value per channel")
+    _check_running(running_mean, running_var, channels)
+    params = _common_params(eps, activation)
+    use_input_stats = check_bool(use_input_stats, "use_input_stats")
+    momentum = check_fraction(momentum, "momentum")
+    return_stats = check_bool(return_stats, "return_stats")
+    axes = tuple(i for i in range(1, x.ndim) if i != axis)
+    spatial = 1
+    for i in axes:
+        spatial *= int(x.shape[i])
+    if not use_input_stats and running_mean is None:
+        raise ValueError("running_mean and running_var are required when use_input_stats=False")
+    if use_input_stats and spatial == 1:
+        raise ValueError(
+            f"x of shape {tuple(x.shape)} has 1 spatial element; instance statistics need "
+            "more than 1 spatial element when use_input_stats=True"
+        )
+    update = use_input_stats and running_mean is not None
+    if update and not return_stats:
+        check_writable(running_mean, "running_mean")
+        check_writable(running_var, "running_var")
+        check_distinct({"running_mean": running_mean, "running_var": running_var})
+    params.update(
+        _norm_params(axes=axes, view_shape=tuple(x.shape), param_shape=param_shape,
+                     use_batch_stats=use_input_stats, update_running=update, stats_batch_axis=0,
+                     momentum=momentum, mixed=mixed, kind="instance_norm", channel_axis=axis)
+    )
+    call = make_call("instance_norm", named, params, family=family, device=device, dtype=dtype, layout=layout)
+    return Prepared(
+        call,
+        _NORM_FIELDS,
+        {"x": x, "weight": weight, "bias": bias},
+        finish=_finish_with_stats(running_mean, running_var, return_stats),
+        mutates=update and not return_stats,
     )

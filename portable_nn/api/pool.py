@@ -26,7 +26,6 @@ from typing import Any
 
 from .. import _arrays
 from ._common import (
-    OpSpec,
     Prepared,
     check_array,
     check_bool,
@@ -37,12 +36,12 @@ from ._common import (
     public_op,
     spatial_layout,
 )
+from ._types import Array, IntOrTuple
 
 __all__ = ["avg_pool", "max_pool"]
 
 _POOL_FIELDS = ("x",)
 
-IntOrTuple = int | tuple[int, ...]
 
 
 def _spatial_count(x: Any, window: Any) -> int:
@@ -147,29 +146,9 @@ def _avg_divisors(params: dict[str, Any], count_include_pad: bool) -> tuple[tupl
 # --------------------------------------------------------------------------- max_pool
 
 
-def _prepare_max_pool(
-    x: Any,
-    window: IntOrTuple,
-    *,
-    stride: IntOrTuple | None = None,
-    padding: IntOrTuple = 0,
-    dilation: IntOrTuple = 1,
-    ceil_mode: bool = False,
-    channel_axis: int = 1,
-) -> Prepared:
-    family, device, dtype, params, layout = _pool_plan(
-        x, window, stride, padding, dilation, ceil_mode, channel_axis
-    )
-    call = make_call("max_pool", {"x": x}, params, family=family, device=device, dtype=dtype, layout=layout)
-    return Prepared(call, _POOL_FIELDS, {"x": x})
-
-
-_MAX_POOL = OpSpec("max_pool", _prepare_max_pool, _POOL_FIELDS)
-
-
-@public_op(_MAX_POOL)
+@public_op(grad_fields=_POOL_FIELDS)
 def max_pool(
-    x: Any,
+    x: Array,
     window: IntOrTuple,
     *,
     stride: IntOrTuple | None = None,
@@ -224,41 +203,19 @@ def max_pool(
         ``pnn.explain`` reports which one a call runs and why the others were passed
         over.
     """
-    return _MAX_POOL(
-        x, window, stride=stride, padding=padding, dilation=dilation, ceil_mode=ceil_mode,
-        channel_axis=channel_axis,
+    family, device, dtype, params, layout = _pool_plan(
+        x, window, stride, padding, dilation, ceil_mode, channel_axis
     )
+    call = make_call("max_pool", {"x": x}, params, family=family, device=device, dtype=dtype, layout=layout)
+    return Prepared(call, _POOL_FIELDS, {"x": x})
 
 
 # --------------------------------------------------------------------------- avg_pool
 
 
-def _prepare_avg_pool(
-    x: Any,
-    window: IntOrTuple,
-    *,
-    stride: IntOrTuple | None = None,
-    padding: IntOrTuple = 0,
-    ceil_mode: bool = False,
-    count_include_pad: bool = True,
-    channel_axis: int = 1,
-) -> Prepared:
-    family, device, dtype, params, layout = _pool_plan(
-        x, window, stride, padding, 1, ceil_mode, channel_axis
-    )
-    count_include_pad = check_bool(count_include_pad, "count_include_pad")
-    params["count_include_pad"] = count_include_pad
-    params["divisors"] = _avg_divisors(params, count_include_pad)
-    call = make_call("avg_pool", {"x": x}, params, family=family, device=device, dtype=dtype, layout=layout)
-    return Prepared(call, _POOL_FIELDS, {"x": x})
-
-
-_AVG_POOL = OpSpec("avg_pool", _prepare_avg_pool, _POOL_FIELDS)
-
-
-@public_op(_AVG_POOL)
+@public_op(grad_fields=_POOL_FIELDS)
 def avg_pool(
-    x: Any,
+    x: Array,
     window: IntOrTuple,
     *,
     stride: IntOrTuple | None = None,
@@ -310,7 +267,11 @@ def avg_pool(
         ``pnn.explain`` reports which one a call runs and why the others were passed
         over.
     """
-    return _AVG_POOL(
-        x, window, stride=stride, padding=padding, ceil_mode=ceil_mode,
-        count_include_pad=count_include_pad, channel_axis=channel_axis,
+    family, device, dtype, params, layout = _pool_plan(
+        x, window, stride, padding, 1, ceil_mode, channel_axis
     )
+    count_include_pad = check_bool(count_include_pad, "count_include_pad")
+    params["count_include_pad"] = count_include_pad
+    params["divisors"] = _avg_divisors(params, count_include_pad)
+    call = make_call("avg_pool", {"x": x}, params, family=family, device=device, dtype=dtype, layout=layout)
+    return Prepared(call, _POOL_FIELDS, {"x": x})

@@ -19,7 +19,6 @@ from typing import Any
 
 from .. import _arrays
 from ._common import (
-    OpSpec,
     Prepared,
     check_array,
     check_bool,
@@ -30,6 +29,7 @@ from ._common import (
     make_call,
     public_op,
 )
+from ._types import Array, Lengths, RnnParams
 from .activations import Activation, ActivationLike, parse_activation
 
 __all__ = ["gru", "gru_cell", "lstm", "lstm_cell", "rnn", "rnn_cell"]
@@ -124,41 +124,14 @@ _CELL_FIELDS = ("x", "h", "w_ih", "w_hh", "b_ih", "b_hh")
 _LSTM_CELL_FIELDS = ("x", "h", "c", "w_ih", "w_hh", "b_ih", "b_hh")
 
 
-def _prepare_rnn_cell(
-    x: Any, h: Any, w_ih: Any, w_hh: Any, b_ih: Any = None, b_hh: Any = None, *,
-    activation: ActivationLike = "tanh",
-) -> Prepared:
-    params = {"kind": "rnn", "activation": _rnn_activation(activation, "rnn_cell"), "reset_after": True}
-    return _prepare_cell("rnn_cell", 1, x, h, None, w_ih, w_hh, b_ih, b_hh, params)
-
-
-def _prepare_lstm_cell(
-    x: Any, h: Any, c: Any, w_ih: Any, w_hh: Any, b_ih: Any = None, b_hh: Any = None
-) -> Prepared:
-    params = {"kind": "lstm", "activation": None, "reset_after": True}
-    return _prepare_cell("lstm_cell", 4, x, h, c, w_ih, w_hh, b_ih, b_hh, params)
-
-
-def _prepare_gru_cell(
-    x: Any, h: Any, w_ih: Any, w_hh: Any, b_ih: Any = None, b_hh: Any = None, *, reset_after: bool = True
-) -> Prepared:
-    params = {"kind": "gru", "activation": None, "reset_after": check_bool(reset_after, "reset_after")}
-    return _prepare_cell("gru_cell", 3, x, h, None, w_ih, w_hh, b_ih, b_hh, params)
-
-
-_RNN_CELL = OpSpec("rnn_cell", _prepare_rnn_cell, _CELL_FIELDS)
-_LSTM_CELL = OpSpec("lstm_cell", _prepare_lstm_cell, _LSTM_CELL_FIELDS)
-_GRU_CELL = OpSpec("gru_cell", _prepare_gru_cell, _CELL_FIELDS)
-
-
-@public_op(_RNN_CELL)
+@public_op(grad_fields=_CELL_FIELDS, outputs="h")
 def rnn_cell(
-    x: Any,
-    h: Any,
-    w_ih: Any,
-    w_hh: Any,
-    b_ih: Any = None,
-    b_hh: Any = None,
+    x: Array,
+    h: Array,
+    w_ih: Array,
+    w_hh: Array,
+    b_ih: Array | None = None,
+    b_hh: Array | None = None,
     *,
     activation: ActivationLike = "tanh",
 ) -> Any:
@@ -199,12 +172,19 @@ def rnn_cell(
         where ``pnn.capabilities()`` lists them. ``pnn.explain`` reports which one a
         call runs and why the others were passed over.
     """
-    return _RNN_CELL(x, h, w_ih, w_hh, b_ih, b_hh, activation=activation)
+    params = {"kind": "rnn", "activation": _rnn_activation(activation, "rnn_cell"), "reset_after": True}
+    return _prepare_cell("rnn_cell", 1, x, h, None, w_ih, w_hh, b_ih, b_hh, params)
 
 
-@public_op(_LSTM_CELL)
+@public_op(grad_fields=_LSTM_CELL_FIELDS, outputs=("h", "c"))
 def lstm_cell(
-    x: Any, h: Any, c: Any, w_ih: Any, w_hh: Any, b_ih: Any = None, b_hh: Any = None
+    x: Array,
+    h: Array,
+    c: Array,
+    w_ih: Array,
+    w_hh: Array,
+    b_ih: Array | None = None,
+    b_hh: Array | None = None,
 ) -> tuple[Any, Any]:
     """One LSTM step, gate order i, f, g, o (like ``torch.lstm_cell``):
 
@@ -251,17 +231,18 @@ def lstm_cell(
         where ``pnn.capabilities()`` lists them. ``pnn.explain`` reports which one a
         call runs and why the others were passed over.
     """
-    return _LSTM_CELL(x, h, c, w_ih, w_hh, b_ih, b_hh)
+    params = {"kind": "lstm", "activation": None, "reset_after": True}
+    return _prepare_cell("lstm_cell", 4, x, h, c, w_ih, w_hh, b_ih, b_hh, params)
 
 
-@public_op(_GRU_CELL)
+@public_op(grad_fields=_CELL_FIELDS, outputs="h")
 def gru_cell(
-    x: Any,
-    h: Any,
-    w_ih: Any,
-    w_hh: Any,
-    b_ih: Any = None,
-    b_hh: Any = None,
+    x: Array,
+    h: Array,
+    w_ih: Array,
+    w_hh: Array,
+    b_ih: Array | None = None,
+    b_hh: Array | None = None,
     *,
     reset_after: bool = True,
 ) -> Any:
@@ -310,7 +291,8 @@ def gru_cell(
         where ``pnn.capabilities()`` lists them. ``pnn.explain`` reports which one a
         call runs and why the others were passed over.
     """
-    return _GRU_CELL(x, h, w_ih, w_hh, b_ih, b_hh, reset_after=reset_after)
+    params = {"kind": "gru", "activation": None, "reset_after": check_bool(reset_after, "reset_after")}
+    return _prepare_cell("gru_cell", 3, x, h, None, w_ih, w_hh, b_ih, b_hh, params)
 
 
 # --------------------------------------------------------------------------- sequences
@@ -487,46 +469,16 @@ def _prepare_sequence(
     return Prepared(call, fields, values, n_diff_outputs=2, finish=lambda outputs: tuple(outputs))
 
 
-def _prepare_rnn(
-    x: Any, params: Any, h0: Any = None, *, activation: ActivationLike = "tanh", batch_first: bool = False,
-    bidirectional: bool = False, lengths: Any = None,
-) -> Prepared:
-    extra = {"activation": _rnn_activation(activation, "rnn")}
-    return _prepare_sequence("rnn", 1, x, params, h0, None, batch_first=batch_first,
-                             bidirectional=bidirectional, lengths=lengths, extra=extra)
-
-
-def _prepare_lstm(
-    x: Any, params: Any, h0: Any = None, c0: Any = None, *, batch_first: bool = False,
-    bidirectional: bool = False, lengths: Any = None,
-) -> Prepared:
-    return _prepare_sequence("lstm", 4, x, params, h0, c0, batch_first=batch_first,
-                             bidirectional=bidirectional, lengths=lengths, extra={})
-
-
-def _prepare_gru(
-    x: Any, params: Any, h0: Any = None, *, reset_after: bool = True, batch_first: bool = False,
-    bidirectional: bool = False, lengths: Any = None,
-) -> Prepared:
-    extra = {"reset_after": check_bool(reset_after, "reset_after")}
-    return _prepare_sequence("gru", 3, x, params, h0, None, batch_first=batch_first,
-                             bidirectional=bidirectional, lengths=lengths, extra=extra)
-
-
-_RNN = OpSpec("rnn", _prepare_rnn, ("x", "params", "h0"))
-_LSTM = OpSpec("lstm", _prepare_lstm, ("x", "params", "h0", "c0"))
-_GRU = OpSpec("gru", _prepare_gru, ("x", "params", "h0"))
-
-@public_op(_RNN)
+@public_op(grad_fields=("x", "params", "h0"), outputs=("outputs", "h_n"))
 def rnn(
-    x: Any,
-    params: Any,
-    h0: Any = None,
+    x: Array,
+    params: RnnParams,
+    h0: Array | None = None,
     *,
     activation: ActivationLike = "tanh",
     batch_first: bool = False,
     bidirectional: bool = False,
-    lengths: Any = None,
+    lengths: Lengths | None = None,
 ) -> tuple[Any, Any]:
     """A stacked (bidirectional) Elman RNN over whole sequences, like ``torch.nn.RNN``.
 
@@ -590,20 +542,21 @@ def rnn(
         tensors, where it measured faster than ``numba``).
         ``pnn.explain`` reports which one a call runs and why the others were passed over.
     """
-    return _RNN(x, params, h0, activation=activation, batch_first=batch_first,
-                bidirectional=bidirectional, lengths=lengths)
+    extra = {"activation": _rnn_activation(activation, "rnn")}
+    return _prepare_sequence("rnn", 1, x, params, h0, None, batch_first=batch_first,
+                             bidirectional=bidirectional, lengths=lengths, extra=extra)
 
 
-@public_op(_LSTM)
+@public_op(grad_fields=("x", "params", "h0", "c0"), outputs=("outputs", ("h_n", "c_n")))
 def lstm(
-    x: Any,
-    params: Any,
-    h0: Any = None,
-    c0: Any = None,
+    x: Array,
+    params: RnnParams,
+    h0: Array | None = None,
+    c0: Array | None = None,
     *,
     batch_first: bool = False,
     bidirectional: bool = False,
-    lengths: Any = None,
+    lengths: Lengths | None = None,
 ) -> tuple[Any, tuple[Any, Any]]:
     """A stacked (bidirectional) LSTM over whole sequences, like ``torch.nn.LSTM``.
 
@@ -665,19 +618,20 @@ def lstm(
         tensors, where it measured faster than ``numba``).
         ``pnn.explain`` reports which one a call runs and why the others were passed over.
     """
-    return _LSTM(x, params, h0, c0, batch_first=batch_first, bidirectional=bidirectional, lengths=lengths)
+    return _prepare_sequence("lstm", 4, x, params, h0, c0, batch_first=batch_first,
+                             bidirectional=bidirectional, lengths=lengths, extra={})
 
 
-@public_op(_GRU)
+@public_op(grad_fields=("x", "params", "h0"), outputs=("outputs", "h_n"))
 def gru(
-    x: Any,
-    params: Any,
-    h0: Any = None,
+    x: Array,
+    params: RnnParams,
+    h0: Array | None = None,
     *,
     reset_after: bool = True,
     batch_first: bool = False,
     bidirectional: bool = False,
-    lengths: Any = None,
+    lengths: Lengths | None = None,
 ) -> tuple[Any, Any]:
     """A stacked (bidirectional) GRU over whole sequences, like ``torch.nn.GRU``.
 
@@ -740,6 +694,7 @@ def gru(
         ``numba`` under ``auto``, which measured as fast).
         ``pnn.explain`` reports which one a call runs and why the others were passed over.
     """
-    return _GRU(x, params, h0, reset_after=reset_after, batch_first=batch_first,
-                bidirectional=bidirectional, lengths=lengths)
+    extra = {"reset_after": check_bool(reset_after, "reset_after")}
+    return _prepare_sequence("gru", 3, x, params, h0, None, batch_first=batch_first,
+                             bidirectional=bidirectional, lengths=lengths, extra=extra)
 

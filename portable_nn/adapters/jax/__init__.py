@@ -102,51 +102,11 @@ from __future__ import annotations
 
 from ...api import merge_moments
 from .. import keep_public_path
+from . import functional
 from ._ops import Route, explain, reference_autodiff
-from .functional import (
-    avg_pool,
-    batch_norm,
-    conv,
-    cross_entropy,
-    dense,
-    group_norm,
-    gru,
-    gru_cell,
-    instance_norm,
-    layer_norm,
-    log_softmax,
-    lstm,
-    lstm_cell,
-    max_pool,
-    moments,
-    rms_norm,
-    rnn,
-    rnn_cell,
-)
+from .functional import *  # noqa: F403  (one function per portable_nn op, generated from its description)
 
-__all__ = [
-    "Route",
-    "avg_pool",
-    "batch_norm",
-    "conv",
-    "cross_entropy",
-    "dense",
-    "explain",
-    "group_norm",
-    "gru",
-    "gru_cell",
-    "instance_norm",
-    "layer_norm",
-    "log_softmax",
-    "lstm",
-    "lstm_cell",
-    "max_pool",
-    "merge_moments",
-    "moments",
-    "reference_autodiff",
-    "rms_norm",
-    "rnn",
-    "rnn_cell",
-]
+__all__ = ["Route", "explain", "merge_moments", "reference_autodiff"]
+__all__ += functional.__all__
 
 keep_public_path(globals())

@@ -18,7 +18,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without JAX
     raise ImportError("portable_nn.jax needs JAX: pip install jax") from exc
 
-from ... import config, dispatch
+from ... import backends, config, dispatch
 from ...api._common import Prepared, spec_of
 
 CALLBACK = "callback"
@@ -30,18 +30,6 @@ AUTO_CALLBACK_OPS = frozenset({"rnn", "lstm", "gru"})
 
 
 # --------------------------------------------------------------------------- signatures
-
-
-@dataclass(frozen=True)
-class _Signature:
-    """How a JAX op's arguments map onto the portable_nn op's.
-
-    ``positional`` names the portable_nn op's positional parameters in order
-    (array or static); every other argument is passed by keyword.
-    """
-
-    op: str
-    positional: tuple[str, ...]
 
 
 def _is_jax_array(value: Any) -> bool:
@@ -70,16 +58,21 @@ def _array_leaves_valid(value: Any) -> bool:
     return _is_jax_array(value)
 
 
-def _standin(leaf: Any) -> np.ndarray:
+def _standin(leaf: Any, updated: bool = False) -> np.ndarray:
     """A NumPy array validation can look at in place of ``leaf``.
 
     Integer arrays whose values are known (class targets, lengths) are used as
-    they are, so their values are checked; everything else is a zero-stride
-    view of one zero (no memory), which has the right shape and dtype.
+    they are, so their values are checked; an argument the op updates in place
+    (``updated``: a running statistic, small) is a writable array of zeros, so
+    validation gets as far as saying whether it would be updated; everything
+    else is a zero-stride view of one zero (no memory), which has the right
+    shape and dtype.
     """
     dtype = np.dtype(leaf.dtype)
     if not _is_tracer(leaf) and np.issubdtype(dtype, np.integer):
         return np.asarray(leaf)
+    if updated:
+        return np.zeros(tuple(leaf.shape), dtype=dtype)
     return np.broadcast_to(np.zeros((), dtype=dtype), tuple(leaf.shape))
 
 
@@ -175,9 +168,9 @@ class _Plan:
     ``None`` or (for RNN ``params``) a list of tuples of them.
     """
 
-    def __init__(self, sig: _Signature, arrays: dict[str, Any], static: dict[str, Any]) -> None:
-        self.sig = sig
-        self.spec = spec_of(sig.op)
+    def __init__(self, op: str, arrays: dict[str, Any], static: dict[str, Any]) -> None:
+        self.op = op
+        self.spec = spec_of(op)
         self.static = static
         self.treedef = jax.tree_util.tree_structure(arrays)
         leaves = jax.tree_util.tree_leaves(arrays)
@@ -186,7 +179,7 @@ class _Plan:
         #: Each field with its leaves replaced by their positions in the flat list.
         self.templates = jax.tree_util.tree_unflatten(self.treedef, list(range(len(leaves))))
         self.leaf_structs = tuple(jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in leaves)
-        self.standins = [_standin(v) for v in leaves]
+        self.standins = [_standin(v, f in self.spec.updates) for v, f in zip(leaves, self.leaf_fields)]
         if _is_tracer(arrays.get("lengths")):
             # Traced lengths are checked at run time; validation at trace time sees full-length sequences.
             k = self.leaf_fields.index("lengths")
@@ -195,22 +188,25 @@ class _Plan:
         self.prepared = self._prepare(standin_arrays)
         self.grad_fields = frozenset(self.prepared.grad_fields)
         self.n_diff = self.prepared.n_diff_outputs
-        self.route = _choose_route(self.prepared, sig.op)
+        if self.prepared.mutates:
+            raise ValueError(
+                f"{op}: {' and '.join(self.spec.updates)} cannot be updated in place (JAX arrays are immutable); "
+                "pass return_stats=True to get (y, new_running_mean, new_running_var)"
+            )
+        self.route = _choose_route(self.prepared, op)
         if self.route.kind == TRACED and "lengths" in arrays:
             raise TypeError(
-                f"{sig.op}: lengths is a traced value, but the traced reference reads the lengths at trace time; "
+                f"{op}: lengths is a traced value, but the traced reference reads the lengths at trace time; "
                 "pass concrete lengths (a NumPy array or tuple closed over, or a static argument), or run the "
                 "Numba kernels (callback route, JAX on the CPU) which read them at run time"
             )
-        self._reference = next(i for i in dispatch.implementations(sig.op) if i.backend == "reference")
+        self._reference = next(i for i in dispatch.implementations(op) if backends.is_oracle(i.backend))
 
     # ---- shared
 
     def _prepare(self, arrays: dict[str, Any]) -> Prepared:
         """Validate the call with portable_nn's own ``prepare`` on ``arrays`` (NumPy)."""
-        merged = {**self.static, **arrays}
-        args = [merged.pop(name) for name in self.sig.positional]
-        return self.spec.prepare(*args, **merged)
+        return self.spec.prepare(**self.static, **arrays)
 
     def needs(self, perturbed: Mapping[str, bool]) -> frozenset[str]:
         """The gradient fields wanted, from which array arguments JAX differentiates."""
@@ -220,7 +216,7 @@ class _Plan:
                 continue
             if name not in self.grad_fields:
                 raise ValueError(
-                    f"{self.sig.op}: {name} has no gradient in portable_nn (only "
+                    f"{self.op}: {name} has no gradient in portable_nn (only "
                     f"{', '.join(self.prepared.grad_fields)} do); wrap it in jax.lax.stop_gradient"
                 )
             wanted.add(name)
@@ -239,7 +235,7 @@ class _Plan:
         arrays = {}
         for name, value in self.prepared.call.arrays.items():
             if value is not None and id(value) not in by_id:  # pragma: no cover - a prepare that copies
-                raise RuntimeError(f"{self.sig.op}: argument {name} was transformed during validation")
+                raise RuntimeError(f"{self.op}: argument {name} was transformed during validation")
             arrays[name] = None if value is None else by_id[id(value)]
         return self.prepared.call.replace(arrays=arrays, xp=jnp, family="jax", save=save)
 
@@ -267,7 +263,7 @@ class _Plan:
         """
         inputs = [_kernel_view(np.asarray(v)) for v in leaves]
         arrays = jax.tree_util.tree_unflatten(self.treedef, inputs)
-        with config.use_backend(**{self.sig.op: self.route.backend}):
+        with config.use_backend(**{self.op: self.route.backend}):
             prepared = self._prepare(arrays)  # values (targets, traced lengths) are checked here
             executed = dispatch.run(prepared.call, need_backward=needs is not None, needs=needs)
             if needs is None:
@@ -409,22 +405,20 @@ _apply.defvjp(_apply_fwd, _apply_bwd, symbolic_zeros=True)
 # --------------------------------------------------------------------------- calling an op
 
 
-def _collect(sig: _Signature, arrays: dict[str, Any], static: dict[str, Any]) -> tuple[_Plan, list[Any]]:
+def _collect(op: str, arrays: dict[str, Any], static: dict[str, Any]) -> tuple[_Plan, list[Any]]:
     """Convert NumPy inputs, validate on stand-ins, choose the route."""
     arrays = {name: _as_jax_tree(value) for name, value in arrays.items()}
     bad = [name for name, value in arrays.items() if not _array_leaves_valid(value)]
     if bad:
         # Not JAX arrays: let portable_nn's own validation name the argument and the problem.
-        merged = {**static, **arrays}
-        args = [merged.pop(name) for name in sig.positional]
-        spec_of(sig.op).prepare(*args, **merged)
-        raise TypeError(f"{sig.op}: {bad[0]} must be a JAX array (or NumPy array)")
-    plan = _Plan(sig, arrays, static)
+        spec_of(op).prepare(**static, **arrays)
+        raise TypeError(f"{op}: {bad[0]} must be a JAX array (or NumPy array)")
+    plan = _Plan(op, arrays, static)
     return plan, jax.tree_util.tree_leaves(arrays)
 
 
-def _run(sig: _Signature, arrays: dict[str, Any], static: dict[str, Any]) -> Any:
-    plan, leaves = _collect(sig, arrays, static)
+def _run(op: str, arrays: dict[str, Any], static: dict[str, Any]) -> Any:
+    plan, leaves = _collect(op, arrays, static)
     return _finish(plan, _apply(plan, leaves), leaves)
 
 
@@ -478,36 +472,16 @@ def reference_autodiff(op: Any, *args: Any, **kwargs: Any) -> Any:
 _OPS: dict[str, Callable[..., Any]] = {}
 
 
-def _op(name: str, positional: tuple[str, ...]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Register a JAX op: the decorated function returns ``(arrays, static)`` for its arguments."""
-    sig = _Signature(name, positional)
-
-    def wrap(split: Callable[..., tuple[dict[str, Any], dict[str, Any]]]) -> Callable[..., Any]:
-        @functools.wraps(split)
-        def op(*args: Any, _capture: list | None = None, **kwargs: Any) -> Any:
-            arrays, static = split(*args, **kwargs)
-            if _capture is not None:
-                _capture.append(_collect(sig, arrays, static))
-                return None
-            return _run(sig, arrays, static)
-
-        op._pnj_op = name  # type: ignore[attr-defined]
-        _OPS[name] = op
-        return op
-
-    return wrap
+def register_op(name: str, fn: Callable[..., Any]) -> None:
+    """Register how to plan a call of op ``name`` without running it: ``fn(*args, _capture=list, **kwargs)``
+    appends ``(plan, leaves)`` (for :func:`explain` and :func:`reference_autodiff`)."""
+    _OPS[name] = fn
 
 
-def _stats_arrays(running_mean: Any, running_var: Any) -> dict[str, Any]:
-    return {"running_mean": running_mean, "running_var": running_var}
-
-
-def _require_return_stats(op: str, running_mean: Any, updates: Any, return_stats: Any) -> None:
-    """JAX arrays cannot be updated in place: updating running statistics needs ``return_stats=True``."""
-    if running_mean is not None and updates in (True, 1) and return_stats in (False, 0):
-        raise ValueError(
-            f"{op}: running_mean and running_var cannot be updated in place (JAX arrays are immutable); "
-            "pass return_stats=True to get (y, new_running_mean, new_running_var)"
-        )
-
-
+def run_op(op: str, arrays: dict[str, Any], static: dict[str, Any], capture: list | None = None) -> Any:
+    """Run a call of ``op`` split into traced ``arrays`` and ``static`` arguments; with ``capture``,
+    only validate and plan it, appending ``(plan, leaves)`` (for :func:`explain`)."""
+    if capture is not None:
+        capture.append(_collect(op, arrays, static))
+        return None
+    return _run(op, arrays, static)

@@ -51,28 +51,12 @@ GRU ``reset_after=``).  Arguments we cannot honour raise
 from __future__ import annotations
 
 from .. import keep_public_path
-from . import _defs  # noqa: F401  (defines and registers the custom ops)
-from ._ops import saved_pullbacks
-from .functional import (
-    avg_pool,
-    batch_norm,
-    conv,
-    cross_entropy,
-    dense,
-    group_norm,
-    gru,
-    gru_cell,
-    instance_norm,
-    layer_norm,
-    log_softmax,
-    lstm,
-    lstm_cell,
-    max_pool,
-    moments,
-    rms_norm,
-    rnn,
-    rnn_cell,
+from . import (
+    _defs,  # noqa: F401  (defines and registers the custom ops)
+    functional,
 )
+from ._ops import saved_pullbacks
+from .functional import *  # noqa: F403  (one function per portable_nn op, generated from its description)
 from .modules import (
     GRU,
     LSTM,
@@ -109,25 +93,8 @@ __all__ = [
     "LayerNorm",
     "Linear",
     "RMSNorm",
-    "avg_pool",
-    "batch_norm",
-    "conv",
-    "cross_entropy",
-    "dense",
-    "group_norm",
-    "gru",
-    "gru_cell",
-    "instance_norm",
-    "layer_norm",
-    "log_softmax",
-    "lstm",
-    "lstm_cell",
-    "max_pool",
-    "moments",
-    "rms_norm",
-    "rnn",
-    "rnn_cell",
     "saved_pullbacks",
 ]
+__all__ += functional.__all__
 
 keep_public_path(globals())

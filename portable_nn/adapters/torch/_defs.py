@@ -1,358 +1,115 @@
-"""The op definitions: how each portable_nn op becomes a pair of torch custom ops (schemas,
-argument conversion, fake implementations, gradient fields), registered at import."""
+"""Each portable_nn op as a pair of torch custom ops, derived from its description (:class:`OpSpec`).
+
+Nothing here is written per op.  The op's argument kinds (its annotations, see
+:mod:`portable_nn.api._types`) give the custom op's schema through :data:`KINDS`, one entry per
+kind with the schema slots it takes and how a value crosses them (``encode`` on the way in,
+``decode`` back to the portable_nn argument).  The op's outputs, gradient fields and in-place
+updates give the rest.  The fake (meta) implementation that ``torch.compile`` traces with runs the
+op itself, on the reference backend, on the fake tensors: the api's own validation and shape
+planning decide the output shapes, so they cannot drift from what the kernels return.
+"""
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ... import api as _api
-from ._ops import NAMESPACE, _act_arg, _as_tuple, _empty_stat, _int_or_tuple, _like, _nest_flat, _OpDef, _register
-
-# =========================================================================== norms
-
-
-def _norm_fake(bound: dict[str, Any]) -> tuple[Tensor, ...]:
-    return (_like(bound["x"]),)
-
-
-def _layer_norm_call(b: dict[str, Any], recompute: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    return (b["x"], b["weight"], b["bias"]), {
-        "axis": _int_or_tuple(b["axis"]), "eps": b["eps"], "activation": _act_arg(b["activation"], b["slope"])}
-
-
-_register(_OpDef(
-    "layer_norm", _api.layer_norm,
-    "Tensor x, Tensor? weight, Tensor? bias, int[] axis, float eps, str activation, float slope",
-    1, 1, ("x", "weight", "bias"), _layer_norm_call, _norm_fake,
-))
-
-
-def _rms_norm_call(b: dict[str, Any], recompute: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    return (b["x"], b["weight"]), {"axis": _int_or_tuple(b["axis"]), "eps": b["eps"]}
-
-
-_register(_OpDef(
-    "rms_norm", _api.rms_norm, "Tensor x, Tensor? weight, int[] axis, float eps",
-    1, 1, ("x", "weight"), _rms_norm_call, _norm_fake,
-))
-
-
-def _group_norm_call(b: dict[str, Any], recompute: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    return (b["x"], b["num_groups"], b["weight"], b["bias"]), {
-        "eps": b["eps"], "channel_axis": b["channel_axis"], "activation": _act_arg(b["activation"], b["slope"])}
-
-
-_register(_OpDef(
-    "group_norm", _api.group_norm,
-    "Tensor x, int num_groups, Tensor? weight, Tensor? bias, float eps, int channel_axis, str activation, float slope",
-    1, 1, ("x", "weight", "bias"), _group_norm_call, _norm_fake,
-))
-
-_STATS_ARGS = (
-    "Tensor x, Tensor? weight, Tensor? bias, Tensor? running_mean, Tensor? running_var, bool {flag}, "
-    "float momentum, float eps, int channel_axis, str activation, float slope"
-)
-
-
-def _stats_updated(b: dict[str, Any], flag: str) -> bool:
-    return bool(b[flag]) and b["running_mean"] is not None
-
-
-def _stats_call(flag: str) -> Callable[[dict[str, Any], bool], tuple[tuple[Any, ...], dict[str, Any]]]:
-    def call(b: dict[str, Any], recompute: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        kwargs = {
-            flag: b[flag], "momentum": b["momentum"], "eps": b["eps"], "channel_axis": b["channel_axis"],
-            "activation": _act_arg(b["activation"], b["slope"]),
-        }
-        if recompute and b[flag]:
-            # Batch statistics normalise: the running ones do not change y, and must not be updated twice.
-            return (b["x"], b["weight"], b["bias"]), kwargs
-        kwargs.update(running_mean=b["running_mean"], running_var=b["running_var"], return_stats=True)
-        return (b["x"], b["weight"], b["bias"]), kwargs
-
-    return call
-
-
-def _stats_flatten(flag: str) -> Callable[[Any, dict[str, Any]], tuple[Any, ...]]:
-    def flatten(result: Any, b: dict[str, Any]) -> tuple[Any, ...]:
-        y, mean, var = result
-        if not _stats_updated(b, flag):
-            return y, _empty_stat(b["x"]), _empty_stat(b["x"])
-        return y, mean, var
-
-    return flatten
-
-
-def _stats_fake(flag: str) -> Callable[[dict[str, Any]], tuple[Tensor, ...]]:
-    def fake(b: dict[str, Any]) -> tuple[Tensor, ...]:
-        y = _like(b["x"])
-        if not _stats_updated(b, flag):
-            return y, _empty_stat(b["x"]), _empty_stat(b["x"])
-        return y, _like(b["running_mean"]), _like(b["running_var"])
-
-    return fake
-
-
-for _name, _fn, _flag in (("batch_norm", _api.batch_norm, "training"),
-                          ("instance_norm", _api.instance_norm, "use_input_stats")):
-    _register(_OpDef(
-        _name, _fn, _STATS_ARGS.format(flag=_flag), 3, 1, ("x", "weight", "bias"),
-        _stats_call(_flag), _stats_fake(_flag), flatten=_stats_flatten(_flag),
-        unsaved=lambda b, flag=_flag: ("running_mean", "running_var") if b[flag] else (),
-    ))
-
-# The in-place variants: PyTorch takes autograd formulas only on functional custom ops, so these are
-# composite — under autograd and torch.compile they decompose into the functional op and a copy.
-_inplace_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
-
-
-def _store_stats(use_batch: bool, running_mean: Tensor | None, running_var: Tensor | None, mean: Tensor,
-                 var: Tensor) -> None:
-    """The in-place update of the running statistics from the functional op's new ones (batch statistics only)."""
-    if use_batch and running_mean is not None:
-        with torch.no_grad():
-            running_mean.copy_(mean)
-            running_var.copy_(var)
-
-
-def _define_inplace(name: str, flag: str) -> None:
-    args = _STATS_ARGS.format(flag=flag).replace("Tensor? running_mean", "Tensor(a!)? running_mean")
-    args = args.replace("Tensor? running_var", "Tensor(b!)? running_var")
-    _inplace_lib.define(f"{name}_({args}, bool[]? wrt=None) -> Tensor")
-
-    def inplace(x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
-                running_var: Tensor | None, use_batch: bool, *rest: Any) -> Tensor:
-        functional = getattr(torch.ops.portable_nn, name)
-        y, mean, var, _ = functional(x, weight, bias, running_mean, running_var, use_batch, *rest)
-        _store_stats(use_batch, running_mean, running_var, mean, var)
-        return y
-
-    _inplace_lib.impl(f"{name}_", inplace, "CompositeImplicitAutograd")
-
-
-_define_inplace("batch_norm", "training")
-_define_inplace("instance_norm", "use_input_stats")
-
-
-def _moments_call(b: dict[str, Any], recompute: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    axis = None if b["axis"] is None else _int_or_tuple(b["axis"])
-    return (b["x"], axis), {"keepdims": b["keepdims"], "correction": b["correction"]}
-
-
-def _moments_fake(b: dict[str, Any]) -> tuple[Tensor, ...]:
-    x = b["x"]
-    axes = range(x.ndim) if b["axis"] is None else [a % x.ndim for a in b["axis"]]
-    if b["keepdims"]:
-        shape = [1 if i in axes else s for i, s in enumerate(x.shape)]
-    else:
-        shape = [s for i, s in enumerate(x.shape) if i not in axes]
-    dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-    return x.new_empty(shape, dtype=dtype), x.new_empty(shape, dtype=dtype)
-
-
-_register(_OpDef(
-    "moments", _api.moments, "Tensor x, int[]? axis, bool keepdims, float correction",
-    2, 2, ("x",), _moments_call, _moments_fake, flatten=_as_tuple, nest=_nest_flat,
-))
-
-
-# =========================================================================== dense, conv
-
-
-def _dense_call(b: dict[str, Any], recompute: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    return (b["x"], b["weight"], b["bias"]), {"activation": _act_arg(b["activation"], b["slope"])}
-
-
-def _dense_fake(b: dict[str, Any]) -> tuple[Tensor, ...]:
-    x = b["x"]
-    return (x.new_empty((*x.shape[:-1], b["weight"].shape[0])),)
-
-
-_register(_OpDef(
-    "dense", _api.dense, "Tensor x, Tensor weight, Tensor? bias, str activation, float slope",
-    1, 1, ("x", "weight", "bias"), _dense_call, _dense_fake,
-))
-
-
-def _conv_padding(b: dict[str, Any]) -> Any:
-    if b["padding_mode"] in ("same", "valid"):
-        return b["padding_mode"]
-    pads = b["padding"]
-    return tuple((pads[i], pads[i + 1]) for i in range(0, len(pads), 2))
-
-
-def _conv_call(b: dict[str, Any], recompute: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    return (b["x"], b["weight"], b["bias"]), {
-        "stride": _int_or_tuple(b["stride"]), "padding": _conv_padding(b), "dilation": _int_or_tuple(b["dilation"]),
-        "groups": b["groups"], "activation": _act_arg(b["activation"], b["slope"]), "channel_axis": b["channel_axis"],
-    }
-
-
-def _spatial_axes(ndim: int, d: int, channel_axis: int) -> tuple[int, list[int]]:
-    """(channel axis, spatial axes) of an ``ndim``-D input with ``d`` spatial axes, batched or not."""
-    first = channel_axis == 1 or (channel_axis >= 0 and channel_axis != d + 1)
-    if first:
-        return ndim - d - 1, list(range(ndim - d, ndim))
-    return ndim - 1, list(range(ndim - d - 1, ndim - 1))
-
-
-def _per_axis(values: Sequence[int], d: int) -> list[int]:
-    return list(values) * d if len(values) == 1 else list(values)
-
-
-def _conv_fake(b: dict[str, Any]) -> tuple[Tensor, ...]:
-    x, w = b["x"], b["weight"]
-    d = w.ndim - 2
-    caxis, spatial = _spatial_axes(x.ndim, d, b["channel_axis"])
-    stride, dilation = _per_axis(b["stride"], d), _per_axis(b["dilation"], d)
-    mode = b["padding_mode"]
-    pads = [(0, 0)] * d if mode == "valid" else _conv_padding(b) if mode != "same" else None
-    shape = list(x.shape)
-    shape[caxis] = w.shape[0]
-    for i, axis in enumerate(spatial):
-        if pads is None:
-            continue
-        lo, hi = pads[i]
-        span = x.shape[axis] + lo + hi - dilation[i] * (w.shape[2 + i] - 1) - 1
-        shape[axis] = span // stride[i] + 1
-    return (x.new_empty(shape),)
-
-
-_register(_OpDef(
-    "conv", _api.conv,
-    "Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] padding, str padding_mode, int[] dilation, "
-    "int groups, str activation, float slope, int channel_axis",
-    1, 1, ("x", "weight", "bias"), _conv_call, _conv_fake,
-))
-
-
-# =========================================================================== pooling, losses
-
-
-def _pool_call(kind: str) -> Callable[[dict[str, Any], bool], tuple[tuple[Any, ...], dict[str, Any]]]:
-    def call(b: dict[str, Any], recompute: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        kwargs = {"stride": tuple(b["stride"]), "padding": tuple(b["padding"]), "ceil_mode": b["ceil_mode"],
-                  "channel_axis": b["channel_axis"]}
-        if kind == "max_pool":
-            kwargs["dilation"] = tuple(b["dilation"])
-        else:
-            kwargs["count_include_pad"] = b["count_include_pad"]
-        return (b["x"], tuple(b["window"])), kwargs
-
-    return call
-
-
-def _pool_fake(b: dict[str, Any]) -> tuple[Tensor, ...]:
-    x, window = b["x"], b["window"]
-    d = len(window)
-    dilation = b.get("dilation") or [1] * d
-    _, spatial = _spatial_axes(x.ndim, d, b["channel_axis"])
-    shape = list(x.shape)
-    for i, axis in enumerate(spatial):
-        size, pad, step = x.shape[axis], b["padding"][i], b["stride"][i]
-        span = size + 2 * pad - dilation[i] * (window[i] - 1) - 1
-        if b["ceil_mode"]:
-            out = -(-span // step) + 1
-            if (out - 1) * step >= size + pad:  # the last window must start inside the input or left padding
-                out -= 1
-        else:
-            out = span // step + 1
-        shape[axis] = out
-    return (x.new_empty(shape),)
-
-
-_POOL_ARGS = "Tensor x, int[] window, int[] stride, int[] padding, "
-_register(_OpDef(
-    "max_pool", _api.max_pool, _POOL_ARGS + "int[] dilation, bool ceil_mode, int channel_axis",
-    1, 1, ("x",), _pool_call("max_pool"), _pool_fake,
-))
-_register(_OpDef(
-    "avg_pool", _api.avg_pool, _POOL_ARGS + "bool ceil_mode, bool count_include_pad, int channel_axis",
-    1, 1, ("x",), _pool_call("avg_pool"), _pool_fake,
-))
-
-
-def _log_softmax_call(b: dict[str, Any], recompute: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    return (b["x"],), {"axis": b["axis"]}
-
-
-_register(_OpDef(
-    "log_softmax", _api.log_softmax, "Tensor x, int axis", 1, 1, ("x",), _log_softmax_call, _norm_fake,
-))
-
-
-def _cross_entropy_call(b: dict[str, Any], recompute: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    return (b["logits"], b["target"]), {
-        "axis": b["axis"], "weight": b["weight"], "ignore_index": b["ignore_index"],
-        "label_smoothing": b["label_smoothing"], "reduction": b["reduction"]}
-
-
-def _cross_entropy_fake(b: dict[str, Any]) -> tuple[Tensor, ...]:
-    logits = b["logits"]
-    if b["reduction"] != "none" or logits.ndim == 1:
-        return (logits.new_empty(()),)
-    axis = b["axis"] % logits.ndim
-    return (logits.new_empty([s for i, s in enumerate(logits.shape) if i != axis]),)
-
-
-def _cross_entropy_fields(op: _OpDef, b: dict[str, Any]) -> frozenset[str]:
-    # Integer class targets have no gradient; probability targets do.
-    return frozenset({"logits", "target"} if b["target"].is_floating_point() else {"logits"})
-
-
-_register(_OpDef(
-    "cross_entropy", _api.cross_entropy,
-    "Tensor logits, Tensor target, Tensor? weight, int axis, int ignore_index, float label_smoothing, str reduction",
-    1, 1, ("logits", "target"), _cross_entropy_call, _cross_entropy_fake,
-    field_of={"logits": "logits", "target": "target"}, available=_cross_entropy_fields,
-))
-
-
-# =========================================================================== recurrent
-
-
-_CELL_TENSORS = "Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh"
-
-
-def _cell_call(kind: str) -> Callable[[dict[str, Any], bool], tuple[tuple[Any, ...], dict[str, Any]]]:
-    def call(b: dict[str, Any], recompute: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        weights = (b["w_ih"], b["w_hh"], b["b_ih"], b["b_hh"])
-        if kind == "lstm_cell":
-            return (b["x"], b["h"], b["c"], *weights), {}
-        if kind == "gru_cell":
-            return (b["x"], b["h"], *weights), {"reset_after": b["reset_after"]}
-        return (b["x"], b["h"], *weights), {"activation": b["activation"]}
-
-    return call
-
-
-def _cell_fake(b: dict[str, Any]) -> tuple[Tensor, ...]:
-    h = b["h"]
-    return (_like(h), _like(h)) if "c" in b else (_like(h),)
-
-
-_CELL_FIELDS = ("x", "h", "w_ih", "w_hh", "b_ih", "b_hh")
-_register(_OpDef(
-    "rnn_cell", _api.rnn_cell, f"Tensor x, Tensor h, {_CELL_TENSORS}, str activation",
-    1, 1, _CELL_FIELDS, _cell_call("rnn_cell"), _cell_fake,
-))
-_register(_OpDef(
-    "gru_cell", _api.gru_cell, f"Tensor x, Tensor h, {_CELL_TENSORS}, bool reset_after",
-    1, 1, _CELL_FIELDS, _cell_call("gru_cell"), _cell_fake,
-))
-_register(_OpDef(
-    "lstm_cell", _api.lstm_cell, f"Tensor x, Tensor h, Tensor c, {_CELL_TENSORS}",
-    2, 2, ("x", "h", "c", "w_ih", "w_hh", "b_ih", "b_hh"), _cell_call("lstm_cell"), _cell_fake,
-    flatten=_as_tuple, nest=_nest_flat,
-))
-
-
-def _params(weights: Sequence[Tensor], biases: Sequence[Tensor]) -> list[tuple[Any, ...]]:
-    """Flat ``[w_ih, w_hh, ...]`` and ``[b_ih, b_hh, ...]`` (or ``[]``) → pnn's list of 4-tuples."""
+from ... import backends, config
+from ...api._common import OpSpec, all_specs
+from ._ops import NAMESPACE, _act, _act_arg, _ints, _OpDef, _register
+
+# =========================================================================== argument kinds
+
+
+class Unencodable(TypeError):
+    """A value the schema cannot carry; the caller lets portable_nn's validation name the problem."""
+
+
+def _int_list(value: Any, name: str) -> list[int]:
+    try:
+        return _ints(value, name)
+    except TypeError as exc:
+        raise Unencodable(str(exc)) from None
+
+
+def _int_or_tuple(values: Sequence[int] | None) -> int | tuple[int, ...] | None:
+    if values is None:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _scalar(kind: type) -> Callable[[Any, str], tuple[Any, ...]]:
+    def encode(value: Any, name: str) -> tuple[Any, ...]:
+        if isinstance(value, bool) and kind is not bool:
+            raise Unencodable(f"{name} must be {kind.__name__}, got {value!r}")
+        if kind is bool and not isinstance(value, bool) and value not in (0, 1):
+            raise Unencodable(f"{name} must be True or False, got {value!r}")
+        if kind is float and isinstance(value, numbers.Real):
+            return (float(value),)
+        if kind is int and isinstance(value, numbers.Integral):
+            return (int(value),)
+        if kind is bool or isinstance(value, kind):
+            return (kind(value),)
+        raise Unencodable(f"{name} must be {kind.__name__}, got {type(value).__name__}")
+
+    return encode
+
+
+def _encode_padding(value: Any, name: str) -> tuple[Any, ...]:
+    """An int (``[p]``), ``"same"``/``"valid"`` (the mode), or per axis ints or pairs (flat pairs)."""
+    if isinstance(value, str):
+        return [], value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return [int(value)], "explicit"
+    if not isinstance(value, (list, tuple)) or not value:
+        raise Unencodable(f"padding must be an int, a tuple, 'same' or 'valid', got {value!r}")
+    flat: list[int] = []
+    for entry in value:
+        pair = _int_list(entry, "padding")
+        if len(pair) not in (1, 2):
+            raise Unencodable(f"padding entries must be an int or a (low, high) pair, got {entry!r}")
+        flat.extend(pair * 2 if len(pair) == 1 else pair)
+    return flat, "explicit"
+
+
+def _decode_padding(flat: list[int], mode: str) -> Any:
+    if mode != "explicit":
+        return mode
+    if len(flat) == 1:
+        return flat[0]
+    return tuple((flat[i], flat[i + 1]) for i in range(0, len(flat), 2))
+
+
+def _encode_params(params: Any, name: str) -> tuple[Any, ...]:
+    """pnn's list of ``(w_ih, w_hh, b_ih, b_hh)`` → flat weights and biases.
+
+    A tensor list cannot hold ``None``: the op takes all biases or none, and a missing bias among
+    present ones becomes a constant zero tensor.
+    """
+    if not isinstance(params, (list, tuple)) or not all(
+        isinstance(p, (list, tuple)) and len(p) == 4 and all(w is None or isinstance(w, Tensor) for w in p)
+        for p in params
+    ):
+        raise Unencodable("params must be a list of (w_ih, w_hh, b_ih, b_hh) tuples, one per layer and direction")
+    weights = [w for p in params for w in (p[0], p[1])]
+    bias_values = [b for p in params for b in (p[2], p[3])]
+    if all(b is None for b in bias_values):
+        return weights, []
+    biases = []
+    for k, b in enumerate(bias_values):
+        if b is None:
+            w_hh = params[k // 2][1]
+            b = w_hh.new_zeros(w_hh.shape[0])
+        biases.append(b)
+    return weights, biases
+
+
+def _decode_params(weights: Sequence[Tensor], biases: Sequence[Tensor]) -> list[tuple[Any, ...]]:
     params = []
     for k in range(len(weights) // 2):
         b_ih, b_hh = (biases[2 * k], biases[2 * k + 1]) if biases else (None, None)
@@ -360,70 +117,291 @@ def _params(weights: Sequence[Tensor], biases: Sequence[Tensor]) -> list[tuple[A
     return params
 
 
-def _seq_call(kind: str) -> Callable[[dict[str, Any], bool], tuple[tuple[Any, ...], dict[str, Any]]]:
-    def call(b: dict[str, Any], recompute: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        kwargs = {"batch_first": b["batch_first"], "bidirectional": b["bidirectional"], "lengths": b["lengths"]}
-        params = _params(b["weights"], b["biases"])
-        if kind == "lstm":
-            return (b["x"], params, b["h0"], b["c0"]), kwargs
-        if kind == "gru":
-            kwargs["reset_after"] = b["reset_after"]
+def _encode_lengths(value: Any, name: str) -> tuple[Any, ...]:
+    if value is None:
+        return (None,)
+    if isinstance(value, Tensor):
+        if value.is_floating_point() or value.ndim != 1:
+            raise Unencodable("lengths must be a 1-D integer tensor or a sequence of ints")
+        return ([int(v) for v in value.tolist()],)
+    return (_int_list(list(value) if isinstance(value, (list, tuple)) else value, "lengths"),)
+
+
+def _optional(encode: Callable[[Any, str], tuple[Any, ...]]) -> Callable[[Any, str], tuple[Any, ...]]:
+    return lambda value, name: (None,) if value is None else encode(value, name)
+
+
+def _tensor(optional: bool) -> Callable[[Any, str], tuple[Any, ...]]:
+    def encode(value: Any, name: str) -> tuple[Any, ...]:
+        if (value is None and optional) or isinstance(value, Tensor):
+            return (value,)
+        raise Unencodable(f"{name} must be a tensor, got {type(value).__name__}")
+
+    return encode
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How one kind of argument crosses a custom op's schema.
+
+    Attributes:
+        slots: the schema's ``(type, name)`` per slot; ``"{}"`` stands for the argument's name.
+        encode: ``(value, name) -> one value per slot`` (``Unencodable`` for what the schema cannot carry).
+        decode: the slot values back to the portable_nn argument.
+    """
+
+    slots: tuple[tuple[str, str], ...]
+    encode: Callable[[Any, str], tuple[Any, ...]]
+    decode: Callable[..., Any] = _identity
+
+    def names(self, argument: str) -> tuple[str, ...]:
+        return tuple(slot.format(argument) for _, slot in self.slots)
+
+
+_AXES = Kind((("int[]", "{}"),), lambda v, n: (_int_list(v, n),), _int_or_tuple)
+_AXES_OPTIONAL = Kind((("int[]?", "{}"),), _optional(_AXES.encode), _int_or_tuple)
+
+#: Every argument kind (:data:`portable_nn.api._types.KINDS`) and its schema slots.
+KINDS: dict[str, Kind] = {
+    "Array": Kind((("Tensor", "{}"),), _tensor(False)),
+    "Array | None": Kind((("Tensor?", "{}"),), _tensor(True)),
+    "Axes": _AXES,
+    "Axes | None": _AXES_OPTIONAL,
+    "IntOrTuple": _AXES,
+    "IntOrTuple | None": _AXES_OPTIONAL,
+    "Padding": Kind((("int[]", "{}"), ("str", "padding_mode")), _encode_padding, _decode_padding),
+    "ActivationLike": Kind((("str", "{}"), ("float", "slope")), lambda v, n: _act(v), _act_arg),
+    "RnnParams": Kind((("Tensor[]", "weights"), ("Tensor[]", "biases")), _encode_params, _decode_params),
+    "Lengths | None": Kind((("int[]?", "{}"),), _encode_lengths),
+    "int": Kind((("int", "{}"),), _scalar(int)),
+    "float": Kind((("float", "{}"),), _scalar(float)),
+    "bool": Kind((("bool", "{}"),), _scalar(bool)),
+    "str": Kind((("str", "{}"),), _scalar(str)),
+}
+
+#: The argument that chooses between updating running statistics in place and returning them; the
+#: adapter decides it (functional op, or its in-place variant), so it is not in the schema.
+RETURN_STATS = "return_stats"
+
+
+# =========================================================================== an op's definition
+
+
+def schema_arguments(spec: OpSpec) -> list[tuple[str, str, str]]:
+    """The schema's ``(type, slot name, argument)`` triples, in the op's signature order."""
+    slots = []
+    for name, kind in spec.arguments.items():
+        if spec.updates and name == RETURN_STATS:
+            continue
+        if kind not in KINDS:
+            raise TypeError(f"portable_nn.torch: {spec.name}'s argument {name} has kind {kind!r}, which has no "
+                            "schema; add it to portable_nn.adapters.torch._defs.KINDS")
+        for (schema_type, _), slot in zip(KINDS[kind].slots, KINDS[kind].names(name)):
+            slots.append((schema_type, slot, name))
+    return slots
+
+
+def encode(spec: OpSpec, values: dict[str, Any]) -> list[Any]:
+    """The schema's argument values for a call's (bound) arguments; ``Unencodable`` if one cannot cross."""
+    encoders = _ENCODERS.get(spec.name)
+    if encoders is None:
+        encoders = _ENCODERS[spec.name] = [
+            (name, None if kind in ("Array", "Array | None") else KINDS[kind].encode)
+            for name, kind in spec.arguments.items() if not (spec.updates and name == RETURN_STATS)
+        ]
+    flat: list[Any] = []
+    for name, encode_one in encoders:
+        value = values[name]
+        if encode_one is None:  # a tensor slot (the commonest: kept inline, this runs on every call)
+            if value is not None and not isinstance(value, Tensor):
+                raise Unencodable(f"{name} must be a tensor, got {type(value).__name__}")
+            flat.append(value)
         else:
-            kwargs["activation"] = b["activation"]
-        return (b["x"], params, b["h0"]), kwargs
-
-    return call
+            flat.extend(encode_one(value, name))
+    return flat
 
 
-def _seq_flatten(result: Any, b: dict[str, Any]) -> tuple[Any, ...]:
-    outputs, states = result
-    return (outputs, *states) if isinstance(states, tuple) else (outputs, states)
+_ENCODERS: dict[str, list[tuple[str, Callable[[Any, str], tuple[Any, ...]]]]] = {}
 
 
-def _seq_nest_lstm(cts: Sequence[Tensor]) -> Any:
-    return cts[0], (cts[1], cts[2])
+def _decoder(spec: OpSpec) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    direct, converted = [], []  # one-slot identity kinds are copied as they are (most arguments)
+    for name, kind in spec.arguments.items():
+        if spec.updates and name == RETURN_STATS:
+            continue
+        slots = KINDS[kind].names(name)
+        if KINDS[kind].decode is _identity and slots == (name,):
+            direct.append(name)
+        else:
+            converted.append((name, KINDS[kind].decode, slots))
+
+    def decode(bound: dict[str, Any]) -> dict[str, Any]:
+        kwargs = {name: bound[name] for name in direct}
+        for name, decode_one, slots in converted:
+            kwargs[name] = decode_one(*(bound[slot] for slot in slots))
+        if spec.updates:
+            kwargs[RETURN_STATS] = True  # the functional op: the new statistics are outputs
+        return kwargs
+
+    return decode
 
 
-def _seq_fake(b: dict[str, Any]) -> tuple[Tensor, ...]:
-    x, weights = b["x"], b["weights"]
-    dirs = 2 if b["bidirectional"] else 1
-    hidden = weights[1].shape[1]
-    states = len(weights) // 2
-    steps, n = (x.shape[1], x.shape[0]) if b["batch_first"] else (x.shape[0], x.shape[1])
-    out_shape = (n, steps, dirs * hidden) if b["batch_first"] else (steps, n, dirs * hidden)
-    state = x.new_empty((states, n, hidden))
-    extra = (x.new_empty((states, n, hidden)),) if "c0" in b else ()
-    return (x.new_empty(out_shape), state, *extra)
+def _flatten_tree(tree: Any, value: Any) -> list[Any]:
+    if isinstance(tree, tuple):
+        return [leaf for t, v in zip(tree, value) for leaf in _flatten_tree(t, v)]
+    return [value]
 
 
-def _seq_grad(name: str, field_name: str, grads: Any) -> Any:
-    if field_name != "params":
-        return getattr(grads, field_name)
-    j = 0 if name == "weights" else 2
-    return [g for entry in grads.params for g in (entry[j], entry[j + 1])]
+def _nest_tree(tree: Any, flat: Sequence[Any]) -> tuple[Any, int]:
+    if isinstance(tree, tuple):
+        items, used = [], 0
+        for t in tree:
+            item, n = _nest_tree(t, flat[used:])
+            items.append(item)
+            used += n
+        return tuple(items), used
+    return flat[0], 1
 
 
-def _seq_fields(op: _OpDef, b: dict[str, Any]) -> frozenset[str]:
-    return frozenset(f for f in op.fields if f == "params" or b.get(f) is not None)
+def nest_outputs(spec: OpSpec, flat: Sequence[Any]) -> Any:
+    """The op's result structure (``spec.outputs``) from its flat outputs."""
+    return _nest_tree(spec.outputs, flat)[0]
 
 
-_SEQ_TAIL = "bool batch_first, bool bidirectional, int[]? lengths"
-_SEQ_MAP = {"x": "x", "weights": "params", "biases": "params", "h0": "h0"}
-_register(_OpDef(
-    "rnn", _api.rnn, f"Tensor x, Tensor[] weights, Tensor[] biases, Tensor? h0, str activation, {_SEQ_TAIL}",
-    2, 2, ("x", "params", "h0"), _seq_call("rnn"), _seq_fake, flatten=_seq_flatten, nest=_nest_flat,
-    field_of=dict(_SEQ_MAP), grad_of=_seq_grad, available=_seq_fields,
-))
-_register(_OpDef(
-    "gru", _api.gru, f"Tensor x, Tensor[] weights, Tensor[] biases, Tensor? h0, bool reset_after, {_SEQ_TAIL}",
-    2, 2, ("x", "params", "h0"), _seq_call("gru"), _seq_fake, flatten=_seq_flatten, nest=_nest_flat,
-    field_of=dict(_SEQ_MAP), grad_of=_seq_grad, available=_seq_fields,
-))
-_register(_OpDef(
-    "lstm", _api.lstm, f"Tensor x, Tensor[] weights, Tensor[] biases, Tensor? h0, Tensor? c0, {_SEQ_TAIL}",
-    3, 3, ("x", "params", "h0", "c0"), _seq_call("lstm"), _seq_fake, flatten=_seq_flatten, nest=_seq_nest_lstm,
-    field_of={**_SEQ_MAP, "c0": "c0"}, grad_of=_seq_grad, available=_seq_fields,
-))
-del _name, _fn, _flag
+def _empty(like: Tensor) -> Tensor:
+    return like.new_empty(0)
 
 
+def updated(spec: OpSpec, bound: dict[str, Any], outputs: Sequence[Tensor]) -> bool:
+    """Whether the functional op's statistics outputs are new statistics (not empty placeholders)."""
+    first = bound.get(spec.updates[0]) if spec.updates else None
+    return first is not None and outputs[len(spec.output_names)].shape == first.shape
+
+
+def _flattener(spec: OpSpec) -> Callable[[Any, dict[str, Any]], tuple[Any, ...]]:
+    n = len(spec.output_names)
+
+    def flatten(result: Any, bound: dict[str, Any]) -> tuple[Any, ...]:
+        if not spec.updates:
+            return (result,) if n == 1 else tuple(_flatten_tree(spec.outputs, result))
+        main = _flatten_tree(spec.outputs, result[0] if n == 1 else result[:n])
+        # Statistics that were not updated come back as the caller's own (or None): outputs must be
+        # new tensors, so an unchanged statistic is an empty placeholder.
+        stats = [_empty(main[0]) if new is None or new is bound.get(name) else new
+                 for name, new in zip(spec.updates, result[n:])]
+        return (*main, *stats)
+
+    return flatten
+
+
+def _faker(spec: OpSpec, to_pnn: Callable[[dict[str, Any]], dict[str, Any]],
+           flatten: Callable[[Any, dict[str, Any]], tuple[Any, ...]]) -> Callable[[dict[str, Any]], tuple[Tensor, ...]]:
+    """The fake implementation: the op itself on the fake tensors, on the reference backend.
+
+    The api validates and plans the call, the reference computes it symbolically; the outputs are
+    then described as the kernels return them (new, C-contiguous).
+    """
+    oracle = backends.oracle_name()
+
+    def fake(bound: dict[str, Any]) -> tuple[Tensor, ...]:
+        with config.use_backend(**{spec.name: oracle}):
+            result = spec.function(**to_pnn(bound))
+        return tuple(t.new_empty(t.shape) for t in flatten(result, bound))
+
+    return fake
+
+
+def _fields(spec: OpSpec) -> dict[str, str]:
+    """Tensor slot → gradient field (the RNN ``weights``/``biases`` slots both give ``params``)."""
+    result = {}
+    for name, kind in spec.arguments.items():
+        if name in spec.grad_fields:
+            for slot in KINDS[kind].names(name):
+                result[slot] = name
+    return result
+
+
+def _grad_of(slot: str, field_name: str, grads: Any) -> Any:
+    if slot in ("weights", "biases"):  # the RnnParams slots: one entry per layer and direction
+        j = 0 if slot == "weights" else 2
+        return [g for entry in getattr(grads, field_name) for g in (entry[j], entry[j + 1])]
+    return getattr(grads, field_name)
+
+
+def _available(op: _OpDef, bound: dict[str, Any]) -> frozenset[str]:
+    """The fields a call can differentiate: given, floating-point tensors (integer class targets have none)."""
+    found = set()
+    for slot, field_name in op.field_of.items():
+        value = bound.get(slot)
+        if isinstance(value, Tensor):
+            if value.is_floating_point():
+                found.add(field_name)
+        elif isinstance(value, (list, tuple)) and any(isinstance(v, Tensor) and v.is_floating_point() for v in value):
+            found.add(field_name)
+    return frozenset(found)
+
+
+def definition(spec: OpSpec) -> _OpDef:
+    """The custom-op definition of ``spec``."""
+    args = ", ".join(f"{schema_type} {slot}" for schema_type, slot, _ in schema_arguments(spec))
+    decode = _decoder(spec)
+    flatten = _flattener(spec)
+    n_main = len(spec.output_names)
+
+    def to_pnn(bound: dict[str, Any], recompute: bool = False) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return (), decode(bound)
+
+    return _OpDef(
+        spec.name, spec.function, args, n_main + len(spec.updates), n_main, spec.grad_fields, to_pnn,
+        _faker(spec, decode, flatten), flatten=flatten, nest=lambda cts: nest_outputs(spec, list(cts)),
+        field_of=_fields(spec), grad_of=_grad_of, available=_available,
+        # Statistics the forward updates in place must not be saved (autograd would see them modified).
+        unsaved=lambda bound, outputs: spec.updates if updated(spec, bound, outputs) else (),
+    ) if spec.updates else _OpDef(
+        spec.name, spec.function, args, n_main, n_main, spec.grad_fields, to_pnn, _faker(spec, decode, flatten),
+        flatten=flatten, nest=lambda cts: nest_outputs(spec, list(cts)), field_of=_fields(spec),
+        grad_of=_grad_of, available=_available,
+    )
+
+
+# =========================================================================== in-place variants
+#
+# PyTorch takes autograd formulas only on functional custom ops, so an op that updates arguments in
+# place (batch and instance norm's running statistics) gets a composite in-place variant
+# ``<name>_``: under autograd and torch.compile it decomposes into the functional op and a copy.
+
+_inplace_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+
+
+def store_updates(spec: OpSpec, bound: dict[str, Any], outputs: Sequence[Tensor]) -> None:
+    """Copy the functional op's new statistics into the caller's (when they were updated)."""
+    if updated(spec, bound, outputs):
+        with torch.no_grad():
+            for name, new in zip(spec.updates, outputs[len(spec.output_names):]):
+                bound[name].copy_(new)
+
+
+def _define_inplace(spec: OpSpec, args: str) -> None:
+    for alias, name in zip("abcdefgh", spec.updates):
+        args = args.replace(f"Tensor? {name}", f"Tensor({alias}!)? {name}")
+    _inplace_lib.define(f"{spec.name}_({args}, bool[]? wrt=None) -> Tensor")
+    slots = [slot for _, slot, _ in schema_arguments(spec)]
+
+    def inplace(*args: Any) -> Tensor:
+        *values, wrt = args
+        outputs = getattr(torch.ops.portable_nn, spec.name)(*values, wrt)
+        store_updates(spec, dict(zip(slots, values)), outputs)
+        return outputs[0]
+
+    _inplace_lib.impl(f"{spec.name}_", inplace, "CompositeImplicitAutograd")
+
+
+for _spec in all_specs():
+    _def = _register(definition(_spec))
+    if _spec.updates:
+        _define_inplace(_spec, _def.args)
+del _spec, _def

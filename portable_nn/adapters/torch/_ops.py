@@ -121,9 +121,9 @@ class _OpDef:
         field_of: tensor argument → gradient field (defaults to same names).
         grad_of: ``(argument, field, grads)`` → that argument's gradient(s).
         available: the fields a call can differentiate.
-        unsaved: tensor arguments the backward does not need (running
-            statistics the forward updates: saving them would trip autograd's
-            check for tensors modified in place).
+        unsaved: ``(bound arguments, outputs) ->`` the tensor arguments the
+            backward does not need (running statistics the forward updated:
+            saving them would trip autograd's check for tensors modified in place).
     """
 
     name: str
@@ -139,7 +139,7 @@ class _OpDef:
     field_of: dict[str, str] = field(default_factory=dict)
     grad_of: Callable[[str, str, Any], Any] = _grad_field
     available: Callable[[_OpDef, dict[str, Any]], frozenset[str]] = _given_fields
-    unsaved: Callable[[dict[str, Any]], tuple[str, ...]] = lambda bound: ()
+    unsaved: Callable[[dict[str, Any], Sequence[Tensor]], tuple[str, ...]] = lambda bound, outputs: ()
 
     def __post_init__(self) -> None:
         self.signature = _split_args(self.args)
@@ -273,7 +273,7 @@ def _backward_fake(op: _OpDef, saved: Tensor, cotangents: Sequence[Tensor], args
 
 def _setup_context(op: _OpDef, ctx: Any, inputs: Sequence[Any], output: Sequence[Tensor]) -> None:
     bound = op.bind(inputs)
-    unsaved = op.unsaved(bound)
+    unsaved = op.unsaved(bound, output)
     layout, tensors = [], []
     for name, is_list in op.tensor_args:
         value = None if name in unsaved else bound[name]
