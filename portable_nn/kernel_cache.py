@@ -16,16 +16,25 @@ import os
 _FINGERPRINT_FILE = "portable_nn-sources.txt"
 
 
+#: Modules outside the kernel packages whose values Numba folds into compiled kernels: the shared
+#: activation and cell codes.  A renumbered code must drop the cached machine code that compared
+#: against the old number.
+_SHARED_SOURCES = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_codes.py"),)
+
+
 def _sources_fingerprint(directory: str) -> str:
-    """Names, sizes and modification times of every ``.py`` file in ``directory``."""
-    entries = []
+    """Names, sizes and modification times of every ``.py`` file in ``directory`` and the shared sources."""
+    paths = []
     for name in sorted(os.listdir(directory)):
         # The package's __init__.py only declares kernels to dispatch (kernel modules import their
         # siblings, never the package), so it cannot change machine code; counting it recompiled
         # every kernel whenever a declaration changed.
         if name.endswith(".py") and name != "__init__.py":
-            st = os.stat(os.path.join(directory, name))
-            entries.append(f"{name} {st.st_size} {st.st_mtime_ns}")
+            paths.append(os.path.join(directory, name))
+    entries = []
+    for path in (*paths, *_SHARED_SOURCES):
+        st = os.stat(path)
+        entries.append(f"{os.path.basename(path)} {st.st_size} {st.st_mtime_ns}")
     return "\n".join(entries)
 
 

@@ -47,14 +47,18 @@ def keeps_output_only(act: Any) -> bool:
     return act.name in OUTPUT_DERIVATIVE or (act.name == "leaky_relu" and act.slope > 0)
 
 
-# Recurrent cells, as the Python kernel packages (kernels_cpu, numba_cuda) receive them: one
-# compiled function serves every kind.  (The CUDA C kernels take a cell family and the
-# nonlinearity separately.)
-RNN_TANH = 0
-RNN_RELU = 1
-LSTM = 2
-GRU = 3  # PyTorch's form: reset_after=True
+# Recurrent cells.  The Python kernel packages (kernels_cpu, numba_cuda) take one code per cell form,
+# so one compiled function serves every form; the CUDA C kernels take the cell family (rnn, lstm,
+# gru: the first three codes, ``KIND_*`` in ``kernels_gpu/cuda_c/rnn.cu``, checked by a test) with
+# the nonlinearity and the GRU form passed separately.  One numbering serves both.
+RNN_TANH = 0  # the rnn family
+LSTM = 1
+GRU = 2  # PyTorch's form: reset_after=True
+RNN_RELU = 3
 GRU_ORIGINAL = 4  # reset_after=False
+
+#: Cell family -> its code, as the CUDA C kernels take it.
+CELL_FAMILIES: dict[str, int] = {"rnn": RNN_TANH, "lstm": LSTM, "gru": GRU}
 
 #: Gates per cell kind: the rows of w_ih and w_hh are this many blocks of the hidden size.
 GATES: dict[int, int] = {RNN_TANH: 1, RNN_RELU: 1, LSTM: 4, GRU: 3, GRU_ORIGINAL: 3}

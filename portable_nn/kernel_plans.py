@@ -16,6 +16,28 @@ from typing import Any
 
 import numpy as np
 
+# --------------------------------------------------------------------------- norms: running statistics
+
+
+def momentum_update(xp: Any, running_mean: Any, running_var: Any, mean: Any, var: Any, momentum: float,
+                    count: int) -> tuple[Any, Any]:
+    """PyTorch's running-statistics update, r ← (1 − m)·r + m·s, for every backend.
+
+    ``mean`` and ``var`` are the batch statistics per ``(instance, channel)``, shape ``(Nn, C)``
+    (``Nn = 1`` for batch norm; instance norm averages its instances), ``var`` biased over the
+    ``count`` elements each statistic saw: s is the mean, and the variance made unbiased
+    (× count / (count − 1)).  ``xp`` is the arrays' array-API namespace.  The running statistics
+    ``(C,)`` come already in the compute dtype (the caller converts, bfloat16 bit patterns
+    included), and so do the results.  ``kernels_cpu`` compiles the same formula with Numba
+    (``_momentum_update``): as array expressions it was 14 µs of a 95 µs batch_norm forward at
+    (8, 512, 2, 2).
+    """
+    batch_mean = xp.mean(mean, axis=0)
+    batch_var = xp.mean(var, axis=0) * (count / (count - 1))
+    return ((1.0 - momentum) * running_mean + momentum * batch_mean,
+            (1.0 - momentum) * running_var + momentum * batch_var)
+
+
 # --------------------------------------------------------------------------- norms: the canonical view
 
 

@@ -658,7 +658,7 @@ def test_torch_compile_dynamic_shapes():
     def f(x, w, seq, params, logits, target):
         z = pnt.max_pool(pnt.conv(x, w, padding=1, stride=2, activation="relu"), 3, stride=2, ceil_mode=True)
         out, (h, c) = pnt.lstm(seq, params)
-        return z.sum() + out.sum() + h.sum() + pnt.cross_entropy(logits, target, reduction="none").sum()
+        return z.sum() + out.sum() + h.sum() + c.sum() + pnt.cross_entropy(logits, target, reduction="none").sum()
 
     compiled = torch.compile(f, backend="aot_eager", dynamic=True, fullgraph=True)
     params = [(_t(16, 3), _t(16, 4), None, None)]

@@ -124,3 +124,11 @@ def test_the_core_holds_no_list_of_backends(module):
     found = [name for name in ("numba", "numba_cuda", "cupy", "aten", "kernels_cpu", "kernels_gpu", "kernels_aten")
              if re.search(rf"['\"]{name}['\"]", code)]
     assert found == [], f"{module} names backends {found}"
+
+
+def test_the_how_to_page_names_what_the_toy_backend_touched():
+    """docs/reference/adding-a-backend.md names the two things the toy backend above needed."""
+    page = (ROOT / "docs" / "reference" / "adding-a-backend.md").read_text()
+    assert 'BACKEND = Backend(' in page and "register_builtin(" in page
+    assert '[project.entry-points."portable_nn.backends"]' in page
+    assert "tests/test_backends.py" in page

@@ -1020,3 +1020,14 @@ def test_activation_codes_are_the_python_ones():
     macros = {name.lower(): int(code) for name, code in re.findall(r"#define PNN_ACT_(\w+) (\d+)", header)}
     assert macros == ACTIVATION_CODES
     assert not re.search(r"case \d+:", header.split("act_fwd", 1)[1].split("block reductions", 1)[0])
+
+
+def test_cell_family_codes_are_the_python_ones():
+    """rnn.cu's KIND_* macros are portable_nn.kernel_codes.CELL_FAMILIES: one numbering of the recurrent cells."""
+    from pathlib import Path
+
+    from portable_nn.kernel_codes import CELL_FAMILIES
+
+    source = (Path(rt.__file__).parent / "rnn.cu").read_text()
+    macros = {name.lower(): int(code) for name, code in re.findall(r"#define KIND_(\w+) (\d+)", source)}
+    assert macros == CELL_FAMILIES

@@ -41,7 +41,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from portable_nn.kernel_plans import moments_plan, moments_shape, norm_view, pow2_at_most, row_splits
+from portable_nn.kernel_plans import (
+    moments_plan,
+    moments_shape,
+    momentum_update,
+    norm_view,
+    pow2_at_most,
+    row_splits,
+)
 
 from . import _runtime as rt
 
@@ -269,15 +276,13 @@ def norm_forward(call: Any) -> tuple[tuple[Any, Any, Any], Any]:
 
 
 def _updated_running(call, xp, plan, mean, var, acc):
-    """PyTorch's momentum update with the unbiased variance (batch-averaged for instance norm)."""
-    n = plan.pp * plan.qq
-    m = call.momentum
+    """PyTorch's momentum update (``kernel_plans.momentum_update``) in the accumulation dtype."""
     rm = _running_as_float(xp, call.running_mean, call.dtype, acc)
     rv = _running_as_float(xp, call.running_var, call.dtype, acc)
-    batch_mean = (mean[0] + mean[1]).reshape(plan.nn, plan.cc).mean(axis=0)
-    batch_var = (var * (n / (n - 1))).reshape(plan.nn, plan.cc).mean(axis=0)
-    return (_running_like(xp, (1.0 - m) * rm + m * batch_mean, call.running_mean, call.dtype),
-            _running_like(xp, (1.0 - m) * rv + m * batch_var, call.running_var, call.dtype))
+    new_rm, new_rv = momentum_update(xp, rm, rv, (mean[0] + mean[1]).reshape(plan.nn, plan.cc),
+                                     var.reshape(plan.nn, plan.cc), call.momentum, plan.pp * plan.qq)
+    return (_running_like(xp, new_rm, call.running_mean, call.dtype),
+            _running_like(xp, new_rv, call.running_var, call.dtype))
 
 
 # --------------------------------------------------------------------------- backward

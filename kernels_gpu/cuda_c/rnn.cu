@@ -16,6 +16,7 @@
 
 #include "common.cuh"
 
+// The cell families: portable_nn/kernel_codes.py's CELL_FAMILIES (a test checks the numbers).
 #define KIND_RNN 0
 #define KIND_LSTM 1
 #define KIND_GRU 2

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from portable_nn.kernel_codes import CELL_FAMILIES, GATES
 from portable_nn.kernel_plans import caller_layout, time_major
 
 from . import _runtime as rt
@@ -51,8 +52,8 @@ BLOCK = 256
 #: At most this many blocks per launch; the kernels stride over the rest.
 MAX_BLOCKS = 65535 * 8
 
-_KINDS = {"rnn": 0, "lstm": 1, "gru": 2}
-_GATES = {"rnn": 1, "lstm": 4, "gru": 3}
+_KINDS = CELL_FAMILIES
+_GATES = {family: GATES[code] for family, code in CELL_FAMILIES.items()}
 rt.declare(FAMILY, [f"{k}<{t}>" for k in ("cell_fwd", "cell_bwd", "seq_fwd", "seq_bwd") for t in ("float", "double")])
 
 

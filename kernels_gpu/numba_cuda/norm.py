@@ -41,7 +41,7 @@ import numpy as np
 from numba import cuda, float64
 
 from portable_nn.kernel_codes import IDENTITY
-from portable_nn.kernel_plans import canonical, moments_plan, moments_shape, pow2_at_most, row_splits
+from portable_nn.kernel_plans import canonical, moments_plan, moments_shape, momentum_update, pow2_at_most, row_splits
 
 from . import _runtime as rt
 from ._runtime import compute_cast, device, kernel, load, store
@@ -506,13 +506,10 @@ def norm_forward(call):
 
 
 def _updated_running(call, xp, mean, var, n):
-    """PyTorch's momentum update with the unbiased variance (averaged over instances for instance norm)."""
-    m = call.momentum
+    """PyTorch's momentum update (``kernel_plans.momentum_update``) in float64."""
     rm, rv = call.running_mean, call.running_var
-    batch_mean = mean.mean(axis=0)
-    batch_var = (var * (n / (n - 1))).mean(axis=0)
-    new_rm = (1.0 - m) * rt.cast(rm, np.float64) + m * batch_mean
-    new_rv = (1.0 - m) * rt.cast(rv, np.float64) + m * batch_var
+    new_rm, new_rv = momentum_update(xp, rt.cast(rm, np.float64), rt.cast(rv, np.float64), mean, var,
+                                     call.momentum, n)
     return rt.cast(new_rm, _dtype_of(rm)), rt.cast(new_rv, _dtype_of(rv))
 
 

@@ -1,12 +1,13 @@
-"""Shared validation and the op-specification plumbing of the public API.
+"""Shared validation and the op descriptions (:class:`OpSpec`) of the public API.
 
-Every public op is a thin function over an :class:`OpSpec`: ``prepare``
-validates and normalises the arguments once (raising ``TypeError`` /
-``ValueError`` that name the argument), producing a :class:`Prepared` whose
-:class:`~portable_nn.dispatch.Call` goes to dispatch.  ``finish`` turns the
-implementation's outputs into what the caller gets back, and is the only
-place where anything the caller passed is mutated (running statistics), after
-every computation has succeeded.
+Every public op is one function decorated with :func:`public_op`: its signature, argument
+kinds and docstring are the op's, and its body validates and normalises the arguments once
+(raising ``TypeError`` / ``ValueError`` that name the argument), returning a :class:`Prepared`
+whose :class:`~portable_nn.dispatch.Call` goes to dispatch.  ``finish`` turns the
+implementation's outputs into what the caller gets back, and is the only place where anything
+the caller passed is mutated (running statistics), after every computation has succeeded.
+The :class:`OpSpec` the decorator builds is the op's one description: dispatch, ``vjp``,
+``explain`` and both framework adapters derive what they need from it.
 """
 
 from __future__ import annotations

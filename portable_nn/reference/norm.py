@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..dispatch import Call
+from ..kernel_plans import momentum_update
 from . import activations
 from ._common import compute_dtype, device, store
 
@@ -156,20 +157,16 @@ def _running_statistics(xp: Any, call: Call, dtype: Any) -> tuple[Any, Any]:
 
 
 def _updated_running_stats(xp: Any, call: Call, mean: Any, var: Any, v_shape: tuple[int, ...]) -> tuple[Any, Any]:
-    """PyTorch's update: r ← (1 − m) r + m · batch statistic (variance unbiased)."""
-    rm, rv, m = call.running_mean, call.running_var, call.momentum
+    """PyTorch's update (``kernel_plans.momentum_update``), in the statistics' compute dtype."""
+    rm, rv = call.running_mean, call.running_var
     n = _count(v_shape, call.axes)
     if n == 0 or mean is None or (call.stats_batch_axis is not None and v_shape[0] == 0):
         return rm, rv
-    unbiased = var * (n / (n - 1))
-    if call.stats_batch_axis is not None:
-        # instance norm: average the per-instance statistics over the batch
-        mean = xp.mean(mean, axis=0, keepdims=True)
-        unbiased = xp.mean(unbiased, axis=0, keepdims=True)
-    shape = tuple(rm.shape)
-    batch_mean = xp.astype(xp.reshape(mean, shape), rm.dtype)
-    batch_var = xp.astype(xp.reshape(unbiased, shape), rv.dtype)
-    return (1.0 - m) * rm + m * batch_mean, (1.0 - m) * rv + m * batch_var
+    channels = rm.shape[0]
+    new_mean, new_var = momentum_update(
+        xp, xp.astype(rm, mean.dtype), xp.astype(rv, var.dtype), xp.reshape(mean, (-1, channels)),
+        xp.reshape(var, (-1, channels)), call.momentum, n)
+    return xp.astype(new_mean, rm.dtype), xp.astype(new_var, rv.dtype)
 
 
 def norm_forward(call: Call) -> tuple[tuple[Any, Any, Any], Any]:
