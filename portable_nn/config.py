@@ -33,6 +33,17 @@ __all__ = [
 ]
 
 ENV_VAR = "PORTABLE_NN_BACKEND"
+
+
+def __getattr__(name: str) -> object:
+    # BUILTIN_BACKENDS: the backends the installed packages declare (portable_nn.backends), reference first;
+    # kept for code that read the former constant.
+    if name == "BUILTIN_BACKENDS":
+        from . import backends, dispatch
+
+        dispatch.backend_names()
+        return tuple(backends.declared())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 FALLBACK_MODES = ("allow", "warn", "error")
 
 

@@ -1,4 +1,4 @@
-"""``portable_nn.threads``: the public thread count (its effect on kernels: test_kernels_cpu_runtime.py)."""
+"""``portable_nn.threads``: the public thread count (its effect on kernels: tests/kernels/cpu/test_runtime.py)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 buffers, selection under ``auto``, what the forward keeps, and float64 agreement with the reference.
 
 Agreement with PyTorch over the full argument grids runs in ``test_conv.py`` and ``test_dense.py``
-(every registered backend is forced there); this file covers what is particular to the kernels.
-"""
+(every registered backend is forced there); this file covers what is particular to the kernels."""
 
 from __future__ import annotations
 
@@ -14,12 +13,12 @@ import portable_nn as pnn
 from pnn_testing import rel_err
 
 pytest.importorskip("numba")
+
 pytestmark = pytest.mark.skipif(not pnn.available_backends()["numba"], reason="numba not installed")
 
 from kernels_cpu import _conv_direct as kdirect  # noqa: E402
 from kernels_cpu import _conv_shifted as ks  # noqa: E402
 from kernels_cpu import conv as kc  # noqa: E402  (imports numba)
-from kernels_cpu import dense as kd  # noqa: E402
 
 #: Small geometries that reach every branch of the canonical form: 1-D/3-D, strides, dilation,
 #: asymmetric padding, groups (depthwise with a multiplier), a 1x1 kernel, unbatched input.
@@ -33,6 +32,8 @@ GEOMS = {
     "lenet-like": dict(x=(5, 3, 9, 9), w=(4, 3, 5, 5), stride=1, padding=0, dilation=1, groups=1),
 }
 
+from .conv_dense_testing import _run, path  # noqa: E402, F401
+
 
 def _conv_data(geom, layout, dtype, seed=0):
     rng = np.random.default_rng(seed)
@@ -45,26 +46,6 @@ def _conv_data(geom, layout, dtype, seed=0):
     kwargs = {k: geom[k] for k in ("stride", "padding", "dilation", "groups")}
     kwargs["channel_axis"] = -1 if layout == "last" else 1
     return [np.ascontiguousarray(a, dtype=dtype) for a in (x, w, b)], kwargs
-
-
-def _run(op, args, kwargs, backend, seed=1, out=None, wrt=None):
-    with pnn.use_backend(backend):
-        y, pullback = pnn.vjp(op, *args, wrt=wrt, **kwargs)
-        dy = np.random.default_rng(seed).standard_normal(y.shape).astype(y.dtype)
-        grads = pullback(dy) if out is None else pullback(dy, out=out)
-    return (y, *grads)
-
-
-@pytest.fixture(params=["serial", "parallel"])
-def path(request, monkeypatch):
-    """Force the serial or the parallel kernels (the size thresholds pick them otherwise)."""
-    parallel = request.param == "parallel"
-    monkeypatch.setattr(kc, "PARALLEL_MIN_MACS", 0 if parallel else 1 << 62)
-    monkeypatch.setattr(kd, "SERIAL_MAX_MACS", -1 if parallel else 1 << 62)
-    if parallel:  # several parts even for tiny layers
-        monkeypatch.setattr(kd, "PART_MACS", 1)
-        monkeypatch.setattr(kd, "MIN_PART_ROWS", 1)
-    return request.param
 
 
 @pytest.fixture(params=["im2col", "shifted", "direct"])
@@ -102,9 +83,6 @@ def chunks(request, monkeypatch):
         monkeypatch.setattr(ks, "WEIGHT_PARTIAL_BYTES", 3000)
         monkeypatch.setattr(ks, "WEIGHT_TASKS", 5)
     return request.param
-
-
-# --------------------------------------------------------------------------- conv
 
 
 def test_auto_picks_numba_for_numpy_float32():
@@ -297,90 +275,6 @@ def test_conv_strided_input_is_copied_and_correct(method):
         assert rel_err(a, e) <= 1e-12
 
 
-# --------------------------------------------------------------------------- dense
-
-
-def _dense_data(lead, n_in, n_out, dtype, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((*lead, n_in)).astype(dtype)
-    w = (rng.standard_normal((n_out, n_in)) / np.sqrt(max(n_in, 1))).astype(dtype)
-    b = (rng.standard_normal(n_out) * 0.5).astype(dtype)
-    return x, w, b
-
-
-def test_auto_picks_numba_for_dense():
-    x, w, b = _dense_data((4,), 5, 3, np.float32)
-    assert pnn.explain(pnn.dense, x, w, b).backend == "numba"
-
-
-@pytest.mark.parametrize("act", ["identity", "relu", ("leaky_relu", 0.2), "gelu", "sigmoid"])
-@pytest.mark.parametrize("lead", [(), (7,), (3, 5), (0,)])
-def test_dense_float64_matches_reference(lead, act, path):
-    x, w, b = _dense_data(lead, 6, 4, np.float64)
-    got = _run(pnn.dense, (x, w, b), {"activation": act}, "numba")
-    expected = _run(pnn.dense, (x, w, b), {"activation": act}, "reference")
-    for name, a, e in zip(("y", "dx", "dweight", "dbias"), got, expected):
-        assert a.shape == e.shape and a.dtype == e.dtype, name
-        assert rel_err(a, e) <= 1e-12, f"{name}: {rel_err(a, e):.2e}"
-
-
-def test_dense_mlp_layer_float32(path):
-    """MLP-sized float32 layers (the serial path's workload) against the float64 reference."""
-    x, w, b = _dense_data((16,), 784, 32, np.float32)
-    got = _run(pnn.dense, (x, w, b), {"activation": "relu"}, "numba", wrt=("weight", "bias"))
-    expected = _run(pnn.dense, [a.astype(np.float64) for a in (x, w, b)], {"activation": "relu"}, "reference")
-    assert got[1] is None
-    for name, a, e in zip(("y", "dweight", "dbias"), (got[0], got[2], got[3]), (expected[0], *expected[2:])):
-        assert a.dtype == np.float32 and rel_err(a, e) <= 1e-5, name
-
-
-@pytest.mark.parametrize("wrt", [("x",), ("weight",), ("bias",)])
-def test_dense_partial_gradients(wrt, path):
-    x, w, b = _dense_data((5,), 6, 3, np.float64)
-    got = _run(pnn.dense, (x, w, b), {"activation": "silu"}, "numba", wrt=wrt)
-    expected = _run(pnn.dense, (x, w, b), {"activation": "silu"}, "reference")
-    for name, a, e in zip(("y", "x", "weight", "bias"), got, expected):
-        if name != "y" and name not in wrt:
-            assert a is None
-        else:
-            assert rel_err(a, e) <= 1e-12, name
-
-
-def test_dense_bitwise_deterministic(path):
-    x, w, b = _dense_data((33, 9), 17, 11, np.float32)
-    first, second = (_run(pnn.dense, (x, w, b), {"activation": "gelu"}, "numba") for _ in range(2))
-    for a, c in zip(first, second):
-        assert np.array_equal(a, c)
-
-
-def test_dense_out_buffers_written_in_place(path):
-    x, w, b = _dense_data((3, 4), 6, 5, np.float32)
-    expected = _run(pnn.dense, (x, w, b), {"activation": "relu"}, "numba")
-    buffers = {"x": np.full_like(x, np.nan), "weight": np.full_like(w, np.nan), "bias": np.full_like(b, np.nan)}
-    got = _run(pnn.dense, (x, w, b), {"activation": "relu"}, "numba", out=buffers)
-    for name, value, want in zip(("x", "weight", "bias"), got[1:], expected[1:]):
-        assert value is buffers[name]
-        assert np.array_equal(value, want)
-
-
-@pytest.mark.parametrize("act, kept", [("identity", None), ("relu", "y"), ("silu", "z")])
-def test_dense_residuals(act, kept):
-    from portable_nn.api._common import spec_of
-
-    _prepare_dense = spec_of("dense").prepare
-
-    x, w, b = _dense_data((4,), 5, 3, np.float32)
-    call = _prepare_dense(x, w, b, activation=act).call.replace(save=True)
-    (y,), (x2, _, kept_array, *_) = kd.dense_forward(call)
-    assert np.shares_memory(x2, x)
-    if kept is None:
-        assert kept_array is None
-    elif kept == "y":
-        assert np.shares_memory(kept_array, y)
-    else:
-        np.testing.assert_allclose(kept_array, x @ w.T + b, rtol=1e-6, atol=1e-6)
-
-
 def test_backward_takes_a_read_only_cotangent():
     """JAX and frozen arrays hand over read-only buffers; the kernel must not need to write them."""
     rng = np.random.default_rng(0)
@@ -394,3 +288,4 @@ def test_backward_takes_a_read_only_cotangent():
         got = pullback(dy)
     for name in ("x", "weight", "bias"):
         np.testing.assert_array_equal(getattr(got, name), getattr(expected, name))
+

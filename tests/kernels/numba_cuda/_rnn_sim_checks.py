@@ -1,6 +1,6 @@
 """Numba-CUDA recurrent kernels in Numba's CUDA simulator, through dispatch, against the reference.
 
-Run as a script in a subprocess with ``NUMBA_ENABLE_CUDASIM=1`` (``tests/test_kernels_gpu_numba_cuda_rnn.py``
+Run as a script in a subprocess with ``NUMBA_ENABLE_CUDASIM=1`` (``tests/kernels/numba_cuda/test_rnn.py``
 does); prints one JSON object per case: ``{"id", "errors": {output or gradient: relative error},
 "tol"}``.  Under the simulator the kernels take NumPy arrays, so the module's ``cell_*``/``sequence_*``
 functions are registered with :func:`portable_nn.register_kernel` under the backend name
@@ -11,7 +11,7 @@ cotangent handling (``None`` cotangents, ``out=`` buffers) all run.  Launch sett
 (8-thread blocks, 4×4 column tiles, many row chunks) so the grid-stride and multi-chunk paths run.
 The oracle is ``portable_nn.reference`` in float64 on the same (rounded) values.
 
-``python tests/_numba_cuda_rnn_sim_checks.py [substring ...]`` runs the matching cases (all without
+``python tests/kernels/numba_cuda/_rnn_sim_checks.py [substring ...]`` runs the matching cases (all without
 arguments).  ``CASES`` (ids) is importable without the simulator.
 """
 
@@ -24,7 +24,11 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from _numba_cuda_sim_checks import as_f64, rel  # run as a script: its own folder is on sys.path
+
+try:
+    from ._sim_checks import as_f64, rel  # imported by the tests, as part of their package
+except ImportError:
+    from _sim_checks import as_f64, rel  # run as a script: its own folder is on sys.path
 
 #: Backend name the simulator registration uses.
 SIM_BACKEND = "numba_cuda_sim"

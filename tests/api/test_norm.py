@@ -435,7 +435,7 @@ def test_rms_norm_matches_torch(case, cfg):
 
 
 #: Inputs of 48·24·30 = 34560 elements: above the Numba kernels' PARALLEL_MIN_ELEMENTS (2**15),
-#: so their parallel forward and chunked backward run (float32, as in test_kernels_cpu).
+#: so their parallel forward and chunked backward run (float32, as in tests/kernels/cpu/test_norm.py).
 _LARGE = [
     ("batch_norm", {"channel_axis": 1, "mode": "running", "activation": "gelu"}),
     ("batch_norm", {"channel_axis": -1, "mode": "return_stats", "params": "w"}),

@@ -1,4 +1,6 @@
-"""What a process's first kernel call pays: ``kernels_cpu._runtime``'s BLAS bindings and the lazy NumPy namespace.
+"""``kernels_cpu._runtime``: the threading layer, concurrent calls, and what a first kernel call pays.
+
+What a process's first kernel call pays: ``kernels_cpu._runtime``'s BLAS bindings and the lazy NumPy namespace.
 
 A first call used to import scipy.linalg (through Numba's BLAS check) and array-api-compat's
 NumPy wrapper (through validation), ~0.35 s of the 0.8 s first call; neither is needed by a
@@ -19,6 +21,8 @@ import pytest
 import portable_nn as pnn
 from pnn_testing import run_in_threads
 from portable_nn import _arrays
+
+from .cpu_testing import _data
 
 pytestmark = pytest.mark.skipif(not pnn.available_backends()["numba"], reason="numba not installed")
 
@@ -374,3 +378,53 @@ def test_concurrent_takes_get_distinct_blocks():
             assert all(float(a.min()) == mark == float(a.max()) for a in arrays)
 
     run_in_threads(body)
+
+
+# --------------------------------------------------------------------------- threads and the threading layer
+def test_concurrent_calls_from_threads_are_safe():
+    x = _data((64, 32, 40))
+    w, b = np.ones(32, np.float32), np.zeros(32, np.float32)
+    expected = pnn.batch_norm(x, w, b)
+
+    def body():
+        for _ in range(5):
+            assert np.array_equal(pnn.batch_norm(x, w, b), expected)
+
+    run_in_threads(body)
+
+
+def test_threading_layer_policy_in_a_fresh_process():
+    """omp on PyTorch's own OpenMP runtime when torch is installed, else tbb (no OpenMP loaded)."""
+    code = """
+import numpy as np, portable_nn as pnn, numba
+x = np.ones((256, 256), np.float32)
+pnn.layer_norm(x)
+print(numba.threading_layer())
+maps = open('/proc/self/maps').read()
+print(sorted({line.split('/')[-1] for line in maps.splitlines() if 'gomp' in line or 'libomp' in line}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    layer, openmp = out.stdout.strip().splitlines()
+    from kernels_cpu import _runtime
+
+    shared = _runtime.torch_openmp_runtime()
+    expected = "omp" if shared else "tbb" if "tbb" in _runtime.describe() else "workqueue"
+    assert layer == expected
+    if layer == "omp":
+        assert os.path.basename(shared) in openmp  # PyTorch's runtime, loaded without importing torch
+    if layer == "tbb":
+        assert openmp == "[]", f"an OpenMP runtime was loaded: {openmp}"
+
+
+def test_user_threading_layer_is_respected():
+    code = "import numpy as np, portable_nn as pnn, numba; pnn.layer_norm(np.ones((256, 256))); " \
+           "print(numba.threading_layer())"
+    env = {"NUMBA_THREADING_LAYER": "workqueue", "PATH": "/usr/bin:/bin"}
+    import os
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, **env})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "workqueue"
+

@@ -1,7 +1,7 @@
 """Numba recurrent kernels (kernels_cpu/rnn.py): selection, float64 agreement with the reference,
 determinism, BLAS threading regimes, ``out=`` buffers, packed sequences, the vectorised exp.
 
-Agreement with PyTorch over the whole argument grid runs in tests/test_rnn.py, whose cases
+Agreement with PyTorch over the whole argument grid runs in tests/api/test_rnn.py, whose cases
 include every backend that declares the recurrent ops (numba among them, forced).
 """
 

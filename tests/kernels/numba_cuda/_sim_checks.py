@@ -1,13 +1,13 @@
 """Numba-CUDA kernels in Numba's CUDA simulator, against the reference implementation.
 
-Run as a script in a subprocess with ``NUMBA_ENABLE_CUDASIM=1`` (``tests/test_kernels_gpu_numba_cuda.py``
+Run as a script in a subprocess with ``NUMBA_ENABLE_CUDASIM=1`` (``tests/kernels/numba_cuda/test_runtime.py``
 does); prints one JSON object per case: ``{"id", "errors": {output: relative error}, "tol",
 "paths"}``.  Each case runs the whole host path — launchers, kernels and (for the GEMM-based ops)
 the array-module matrix products — on NumPy arrays, with tiny block sizes and chunk limits so
 multi-block reductions and second passes run, and compares every output and gradient with
 ``portable_nn.reference``.  ``CASES`` (ids) is importable without the simulator.
 
-``python tests/_numba_cuda_sim_checks.py [substring ...]`` runs the cases whose id contains one of
+``python tests/kernels/numba_cuda/_sim_checks.py [substring ...]`` runs the cases whose id contains one of
 the substrings (all without arguments).
 """
 

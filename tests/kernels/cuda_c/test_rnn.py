@@ -1,6 +1,6 @@
 """CUDA C sequence kernels (``rnn``/``lstm``/``gru`` on backend ``"cupy"``): checked without a GPU.
 
-The compile test of ``test_kernels_gpu_cuda_c.py`` covers rnn.cu (cells and sequences) for
+The compile test of ``test_runtime.py`` covers rnn.cu (cells and sequences) for
 sm_80/sm_90.  Here, without a GPU:
 
 * every argument combination's forward and backward runs through the launchers on NumPy with
@@ -19,21 +19,25 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_kernels_gpu_cuda_c import (
+
+import portable_nn as pnn
+from kernels_gpu.cuda_c import rnn as crnn
+from pnn_testing import TOL
+
+from .cuda_c_testing import (
+    GEMM_DTYPES,
     _call,
     _data_like,
     _host,
     _rng,
     assert_matches,
+    emulated_case,
     emulating,
+    gpu_compare,
     needs_emulator,
     recording,
     reference_of,
 )
-
-import portable_nn as pnn
-from kernels_gpu.cuda_c import rnn as crnn
-from pnn_testing import TOL
 
 GATES = {"rnn": 1, "lstm": 4, "gru": 3}
 DTYPES = ("float32", "float64")
@@ -312,3 +316,48 @@ def test_gpu_sequences_bitwise_deterministic(op):
             results.append([y[0], g.x, *(a for e in g.params for a in e)])
     for a, b in zip(*results):
         assert bool((a == b).all())
+
+
+# --------------------------------------------------------------------------- cells
+def cell_specs():
+    r = _rng(8)
+    n, i, h = 3, 4, 5
+
+    def weights(g, bias=True):
+        return (r.standard_normal((g * h, i)) * 0.5, r.standard_normal((g * h, h)) * 0.5,
+                r.standard_normal(g * h) if bias else None, r.standard_normal(g * h) if bias else None)
+
+    x, h0, c0 = r.standard_normal((n, i)), r.standard_normal((n, h)), r.standard_normal((n, h))
+    return [
+        ("rnn-tanh", "rnn_cell", (x, h0, *weights(1)), {}),
+        ("rnn-relu-nobias", "rnn_cell", (x, h0, *weights(1, False)), {"activation": "relu"}),
+        ("rnn-unbatched", "rnn_cell", (x[0], h0[0], *weights(1)), {}),
+        ("lstm", "lstm_cell", (x, h0, c0, *weights(4)), {}),
+        ("lstm-unbatched-nobias", "lstm_cell", (x[1], h0[1], c0[1], *weights(4, False)), {}),
+        ("gru-reset-after", "gru_cell", (x, h0, *weights(3)), {}),
+        ("gru-reset-before", "gru_cell", (x, h0, *weights(3)), {"reset_after": False}),
+        ("gru-reset-before-nobias-unbatched", "gru_cell", (x[2], h0[2], *weights(3, False)), {"reset_after": False}),
+    ]
+
+
+CELL_SPECS = cell_specs()
+
+
+@needs_emulator
+@pytest.mark.parametrize("spec", CELL_SPECS, ids=[s[0] for s in CELL_SPECS])
+def test_emulated_cells(spec, monkeypatch):
+    monkeypatch.setattr(crnn, "BLOCK", 32)
+    monkeypatch.setattr(crnn, "MAX_BLOCKS", 1)
+    for dtype, mixed in GEMM_DTYPES:
+        call = _call(spec[1], spec[2], spec[3], dtype, mixed)
+        names = [k for k in ("x", "h", "c", "w_ih", "w_hh", "b_ih", "b_hh") if call.arrays.get(k) is not None]
+        for needs in (set(names), {"w_hh"}, {"h"}):
+            emulated_case(crnn, "cell_forward", "cell_backward", spec, dtype, mixed, needs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("spec", CELL_SPECS, ids=[s[0] for s in CELL_SPECS])
+def test_gpu_cells_match_reference(spec, dtype):
+    gpu_compare(spec, dtype, False, tol_factor=2.0)
+

@@ -1,28 +1,21 @@
-"""Numba CPU kernels: selection, zero-copy torch bridge, determinism, threads, threading layer.
+"""The numba norm and moments kernels: selection, zero-copy torch bridge, determinism, every path against the reference.
 
-Numerical agreement with the reference and PyTorch runs in the per-op test files, through the
-shared ``cases(op)`` parametrisation, which forces every backend that declares support.
-"""
+Numerical agreement with the reference and PyTorch runs in the per-op suites (tests/api/), through the
+shared ``cases(op)`` parametrisation, which forces every backend that declares support."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import portable_nn as pnn
-from pnn_testing import HAS_TORCH, rel_err, run_in_threads
+from pnn_testing import HAS_TORCH, rel_err
 
 pytestmark = pytest.mark.skipif(not pnn.available_backends()["numba"], reason="numba not installed")
 
 NORMS = ("layer_norm", "batch_norm", "group_norm", "instance_norm")
 
-
-def _data(shape, dtype=np.float32, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+from .cpu_testing import _data  # noqa: E402
 
 
 @pytest.mark.parametrize("op", ["layer_norm", "batch_norm", "group_norm", "instance_norm", "rms_norm"])
@@ -145,54 +138,6 @@ def test_pipelined_single_row_groups_match_the_two_pass_kernels(op, activation, 
         np.testing.assert_allclose(serial, plain, rtol=1e-12, atol=1e-12 * np.abs(plain).max())
 
 
-def test_concurrent_calls_from_threads_are_safe():
-    x = _data((64, 32, 40))
-    w, b = np.ones(32, np.float32), np.zeros(32, np.float32)
-    expected = pnn.batch_norm(x, w, b)
-
-    def body():
-        for _ in range(5):
-            assert np.array_equal(pnn.batch_norm(x, w, b), expected)
-
-    run_in_threads(body)
-
-
-def test_threading_layer_policy_in_a_fresh_process():
-    """omp on PyTorch's own OpenMP runtime when torch is installed, else tbb (no OpenMP loaded)."""
-    code = """
-import numpy as np, portable_nn as pnn, numba
-x = np.ones((256, 256), np.float32)
-pnn.layer_norm(x)
-print(numba.threading_layer())
-maps = open('/proc/self/maps').read()
-print(sorted({line.split('/')[-1] for line in maps.splitlines() if 'gomp' in line or 'libomp' in line}))
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    layer, openmp = out.stdout.strip().splitlines()
-    from kernels_cpu import _runtime
-
-    shared = _runtime.torch_openmp_runtime()
-    expected = "omp" if shared else "tbb" if "tbb" in _runtime.describe() else "workqueue"
-    assert layer == expected
-    if layer == "omp":
-        assert os.path.basename(shared) in openmp  # PyTorch's runtime, loaded without importing torch
-    if layer == "tbb":
-        assert openmp == "[]", f"an OpenMP runtime was loaded: {openmp}"
-
-
-def test_user_threading_layer_is_respected():
-    code = "import numpy as np, portable_nn as pnn, numba; pnn.layer_norm(np.ones((256, 256))); " \
-           "print(numba.threading_layer())"
-    env = {"NUMBA_THREADING_LAYER": "workqueue", "PATH": "/usr/bin:/bin"}
-    import os
-
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, **env})
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "workqueue"
-
-
 @pytest.mark.parametrize("op", ["layer_norm", "dense"])
 def test_numba_relu_gives_positive_zero_and_propagates_nan(op):
     """relu(z <= 0) is +0.0 as in PyTorch and the reference (not -0.0); relu(NaN) is NaN."""
@@ -207,27 +152,6 @@ def test_numba_relu_gives_positive_zero_and_propagates_nan(op):
     if op == "dense":
         assert np.isnan(y[0, 3])
 
-
-def test_cached_kernels_are_dropped_when_any_sibling_source_changes(tmp_path):
-    """Numba checks a cached kernel against its own file only; kernels inline sibling modules."""
-    from portable_nn import kernel_cache
-
-    (tmp_path / "kernels.py").write_text("x = 1\n")
-    (tmp_path / "helpers.py").write_text("y = 1\n")
-    cache = tmp_path / "__pycache__"
-    cache.mkdir()
-    (cache / "kernels.f-1.py311.nbi").write_text("stale")
-    assert kernel_cache.drop_stale_cache(str(tmp_path / "kernels.py"))  # no fingerprint yet: dropped
-    assert not list(cache.glob("*.nbi"))
-    (cache / "kernels.f-1.py311.nbi").write_text("fresh")
-    assert not kernel_cache.drop_stale_cache(str(tmp_path / "kernels.py"))  # unchanged sources: kept
-    assert list(cache.glob("*.nbi"))
-    (tmp_path / "helpers.py").write_text("y = 22\n")  # a sibling, not the kernel's own file
-    assert kernel_cache.drop_stale_cache(str(tmp_path / "kernels.py"))
-    assert not list(cache.glob("*.nbi"))
-
-
-# --------------------------------------------------------------------------- moments
 
 #: (shape, axis): rows, columns, batch-norm statistics, middle axes, offset tables, all and no axes,
 #: negative and unsorted axes, 0-d and empty arrays.
@@ -392,3 +316,4 @@ def test_moments_backward_writes_into_out_and_skips_what_is_not_needed():
     assert norm.moments_backward(res, (np.ones_like(mean), None), frozenset(), {}) == {}
     zero = norm.moments_backward(res, (None, None), frozenset({"x"}), {"x": np.full_like(x, 7.0)})["x"]
     assert not np.any(zero)
+

@@ -4,7 +4,7 @@
   as ``kernels_gpu/numba_cuda/__init__.py`` declares them, when that file does not yet);
 * PTX: every kernel of the module compiles for each dtype variant's explicit signature at sm_80, and
   at sm_90 (float32 by default, float64 with ``-m slow``);
-* simulator: ``tests/_numba_cuda_rnn_sim_checks.py`` runs in a subprocess with
+* simulator: ``_rnn_sim_checks.py`` runs in a subprocess with
   ``NUMBA_ENABLE_CUDASIM=1``, each case through dispatch (``pnn.vjp``) on the module's entry
   points, compared with the float64 reference;
 * ``-m gpu``: every op and gradient forced onto ``numba_cuda`` with CuPy arrays (and one with CUDA
@@ -27,8 +27,8 @@ import portable_nn as pnn
 from portable_nn import dispatch
 
 HERE = Path(__file__).resolve().parent
-import _numba_cuda_rnn_sim_checks as sim  # noqa: E402  (tests/ is on pytest's pythonpath)
-from test_kernels_gpu_numba_cuda import target_device  # noqa: E402, F401  (fixture)
+from . import _rnn_sim_checks as sim  # noqa: E402
+from .numba_cuda_testing import target_device  # noqa: E402, F401  (fixture)
 
 HAS_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
 needs_numba_cuda = pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is not installed")
@@ -150,7 +150,7 @@ def test_every_rnn_kernel_is_declared_for_both_dtypes():
 
 @needs_numba_cuda
 @pytest.mark.parametrize(("spec", "signature", "cc"), _ptx_params())
-def test_rnn_kernel_compiles_to_ptx(spec, signature, cc, target_device):  # noqa: F811
+def test_rnn_kernel_compiles_to_ptx(spec, signature, cc, target_device):
     from numba import cuda
 
     target_device.compute_capability = cc
@@ -165,8 +165,8 @@ def test_rnn_kernel_compiles_to_ptx(spec, signature, cc, target_device):  # noqa
 @pytest.fixture(scope="module")
 def simulator_results():
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
-    proc = subprocess.run([sys.executable, str(HERE / "_numba_cuda_rnn_sim_checks.py")], capture_output=True,
-                          text=True, env=env, cwd=HERE.parent, timeout=900)
+    proc = subprocess.run([sys.executable, str(HERE / "_rnn_sim_checks.py")], capture_output=True,
+                          text=True, env=env, cwd=HERE.parents[2], timeout=900)
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("{"):

@@ -1,0 +1,62 @@
+"""The CUDA C pooling kernels (and, on the device, pooling and losses) against the reference."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import numpy as np
+import pytest
+
+FAMILIES = ("norm", "pool", "loss", "dense", "conv", "rnn")
+
+ARCHS = ("sm_80", "sm_90")
+
+HAS_NVRTC = importlib.util.find_spec("cuda") is not None and importlib.util.find_spec("cuda.bindings") is not None
+
+from kernels_gpu.cuda_c import pool as cpool  # noqa: E402
+
+from .cuda_c_testing import ALL_DTYPES, LOSS_SPECS, _rng, emulated_case, gpu_compare, needs_emulator  # noqa: E402
+
+
+def pool_specs():
+    r = _rng(2)
+    ties = np.round(r.standard_normal((2, 3, 7, 6)))  # many equal values: the first maximum wins
+    nan = r.standard_normal((2, 2, 6, 6))
+    nan[0, 0, 1, 1] = np.nan
+    nan[1, 1, 4, 2:4] = np.nan
+    return [
+        ("max2d-pad-ceil", "max_pool", (ties, 3), {"stride": 2, "padding": 1, "ceil_mode": True}),
+        ("max1d-nlc-dil", "max_pool", (r.standard_normal((3, 9, 4)), (3,)),
+         {"stride": 2, "dilation": 2, "channel_axis": -1}),
+        ("max3d", "max_pool", (r.standard_normal((1, 2, 5, 4, 6)), 2), {}),
+        ("max2d-unbatched-overlap", "max_pool", (ties[0], (2, 3)), {"stride": 1}),
+        ("max-nan", "max_pool", (nan, 2), {}),
+        ("max-pad-only-windows", "max_pool", (r.standard_normal((1, 2, 3, 3)), 2),
+         {"stride": 2, "padding": 1, "ceil_mode": True}),
+        ("avg2d-exclude-pad-ceil", "avg_pool", (r.standard_normal((2, 3, 7, 6)), 3),
+         {"stride": 2, "padding": 1, "ceil_mode": True, "count_include_pad": False}),
+        ("avg2d-nhwc", "avg_pool", (r.standard_normal((2, 5, 6, 3)), 2), {"padding": 1, "channel_axis": -1}),
+        ("avg1d-overlap", "avg_pool", (r.standard_normal((2, 3, 9)), 4), {"stride": 3, "padding": 2}),
+        ("avg3d-unbatched", "avg_pool", (r.standard_normal((2, 4, 5, 6)), (2, 2, 2)), {"stride": (1, 2, 2)}),
+    ]
+
+
+POOL_SPECS = pool_specs()
+
+
+@needs_emulator
+@pytest.mark.parametrize("spec", POOL_SPECS, ids=[s[0] for s in POOL_SPECS])
+def test_emulated_pool(spec, monkeypatch):
+    monkeypatch.setattr(cpool, "BLOCK", 32)
+    monkeypatch.setattr(cpool, "MAX_BLOCKS", 3)  # the kernels' grid-stride loops run
+    for dtype, mixed in ALL_DTYPES:
+        emulated_case(cpool, "pool_forward", "pool_backward", spec, dtype, mixed, {"x"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,mixed", ALL_DTYPES, ids=[d for d, _ in ALL_DTYPES])
+@pytest.mark.parametrize("spec", POOL_SPECS + LOSS_SPECS, ids=[s[0] for s in POOL_SPECS + LOSS_SPECS])
+def test_gpu_pool_loss_match_reference(spec, dtype, mixed):
+    gpu_compare(spec, dtype, mixed, tol_factor=2.0)
+

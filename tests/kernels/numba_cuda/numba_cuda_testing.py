@@ -1,0 +1,61 @@
+"""Helpers shared by the Numba-CUDA kernel tests (the target-device stand-in, the device checks)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import portable_nn as pnn
+
+HERE = Path(__file__).resolve().parent
+
+from . import _sim_checks as sim  # noqa: E402
+
+HAS_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
+
+needs_numba_cuda = pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is not installed")
+
+NORMS = ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm")
+
+#: Ops the backend declares (the others fall back under auto, raise when forced).
+POOLS = ("max_pool", "avg_pool")
+
+DECLARED = ("moments", *NORMS, "log_softmax", *POOLS, "cross_entropy", "dense", "conv")
+
+
+
+def _gpu_vjp_check(fn, gargs, hargs, kw, tol, wrt=None):
+    """Forward and gradients of ``fn`` forced onto numba_cuda (CuPy) against the float64 reference."""
+    import cupy
+
+    rng = np.random.default_rng(1)
+    vjp_kw = {} if wrt is None else {"wrt": wrt}
+    with pnn.use_backend("numba_cuda"):
+        assert pnn.explain(fn, *gargs, **kw).backend == "numba_cuda"
+        y, pullback = pnn.vjp(fn, *gargs, **kw, **vjp_kw)
+        dy = rng.standard_normal(tuple(y.shape))
+        grads = pullback(cupy.asarray(dy.astype(y.dtype)))
+    with pnn.use_backend("reference"):
+        y_ref, pull_ref = pnn.vjp(fn, *hargs, **kw, **vjp_kw)
+        g_ref = pull_ref(np.asarray(dy.astype(y.dtype), np.float64))
+    assert sim.rel(cupy.asnumpy(y).astype(np.float64), y_ref) <= tol
+    for name in g_ref._fields:
+        e = getattr(g_ref, name)
+        if e is not None:
+            assert sim.rel(cupy.asnumpy(getattr(grads, name)).astype(np.float64), e) <= 10 * tol, name
+
+
+@pytest.fixture
+def target_device(monkeypatch):
+    """numba-cuda compiles device functions for the *current* device while typing a kernel; without a
+    driver there is none, so a stand-in with the target compute capability answers instead."""
+    import numba.cuda.dispatcher as dispatcher
+
+    class Target:
+        compute_capability = (8, 0)
+
+    monkeypatch.setattr(dispatcher, "get_current_device", lambda: Target)
+    return Target

@@ -1,0 +1,152 @@
+"""The Numba-CUDA backend without a GPU: declarations, imports, every kernel compiled to PTX, and the
+whole forward/backward suite in Numba's CUDA simulator against the reference."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import portable_nn as pnn
+from portable_nn import dispatch
+
+HERE = Path(__file__).resolve().parent
+
+from . import _sim_checks as sim  # noqa: E402
+from .numba_cuda_testing import target_device  # noqa: E402, F401  (fixture)
+
+HAS_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
+
+needs_numba_cuda = pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is not installed")
+
+NORMS = ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm")
+
+#: Ops the backend declares (the others fall back under auto, raise when forced).
+POOLS = ("max_pool", "avg_pool")
+
+DECLARED = ("moments", *NORMS, "log_softmax", *POOLS, "cross_entropy", "dense", "conv")
+
+
+
+@pytest.mark.parametrize("op", DECLARED)
+def test_declared_support(op):
+    impl = next(i for i in dispatch.implementations(op) if i.backend == "numba_cuda")
+    s = impl.supports
+    assert s.families == ("cupy", "torch") and s.devices == ("cuda",) and s.native == "cupy"
+    assert impl.backward is not None and s.contiguous
+    assert set(s.dtypes) == {"float16", "bfloat16", "float32", "float64"}
+    if op in (*NORMS, "cross_entropy", "dense", "conv"):
+        assert s.mixed_precision
+    if op in (*POOLS, "conv"):
+        assert set(s.layouts) == {"channels_first", "channels_last"}
+
+
+def test_import_loads_neither_numba_cuda_nor_cupy():
+    code = (
+        "import sys, portable_nn as pnn, kernels_gpu.numba_cuda\n"
+        "from portable_nn import dispatch\n"
+        "assert any(i.backend == 'numba_cuda' for i in dispatch.implementations('layer_norm'))\n"
+        "bad = [m for m in ('numba.cuda', 'cupy', 'numba_cuda') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=HERE.parents[2], timeout=120)
+
+
+def test_without_a_gpu_forcing_raises_and_auto_falls_back():
+    if pnn.available_backends()["numba_cuda"]:
+        pytest.skip("a GPU is available here")
+    x = np.ones((2, 3), np.float32)
+    with pnn.use_backend("numba_cuda"), pytest.raises(pnn.BackendUnavailableError, match="numba_cuda"):
+        pnn.layer_norm(x)
+    assert pnn.explain(pnn.layer_norm, x).backend != "numba_cuda"
+
+
+def _kernel_specs():
+    if not HAS_NUMBA_CUDA:
+        return []
+    from kernels_gpu.numba_cuda import _runtime, conv, dense, loss, norm, pool  # noqa: F401  (modules declare their kernels)
+
+    return list(_runtime.KERNELS)
+
+
+_SPECS = _kernel_specs()
+
+
+def _ptx_params():
+    params = []
+    for spec in _SPECS:
+        for sig in spec.signatures:
+            variant = sig[sig.index("(") + 1:].split("[")[0]
+            params.append(pytest.param(spec, sig, (8, 0), id=f"{spec.name.rsplit('.', 1)[1]}-{variant}-sm80"))
+            mark = () if variant == "float32" else (pytest.mark.slow,)
+            params.append(pytest.param(spec, sig, (9, 0), marks=mark,
+                                       id=f"{spec.name.rsplit('.', 1)[1]}-{variant}-sm90-{len(params)}"))
+    return params
+
+
+@needs_numba_cuda
+@pytest.mark.parametrize(("spec", "signature", "cc"), _ptx_params())
+def test_kernel_compiles_to_ptx(spec, signature, cc, target_device):
+    from numba import cuda
+
+    target_device.compute_capability = cc
+    ptx, _ = cuda.compile_ptx(spec.py_func, signature, cc=cc)
+    assert f".target sm_{cc[0]}{cc[1]}" in ptx
+    assert ".entry" in ptx
+
+
+def test_every_kernel_is_declared_with_signatures():
+    if not HAS_NUMBA_CUDA:
+        pytest.skip("numba-cuda is not installed")
+    names = [s.name for s in _SPECS]
+    assert len(names) == len(set(names))
+    for spec in _SPECS:
+        assert spec.signatures, spec.name
+    assert any(n.endswith("norm._row_forward") for n in names)
+    assert any(n.endswith("loss._lsm_backward") for n in names)
+    assert any(n.endswith("pool._max_backward") for n in names)
+    assert any(n.endswith("loss._ce_backward") for n in names)
+    assert any(n.endswith("dense._activation_grad") for n in names)
+    assert any(n.endswith("conv._col2im") for n in names)
+    for kernel in ("_mom_rows", "_mom_small", "_mom_cols", "_mom_finalize", "_mom_dx"):
+        assert any(n.endswith(f"norm.{kernel}") for n in names), kernel
+
+
+@pytest.fixture(scope="module")
+def simulator_results():
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
+    proc = subprocess.run([sys.executable, str(HERE / "_sim_checks.py")], capture_output=True, text=True,
+                          env=env, cwd=HERE.parents[2], timeout=900)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            results[r["id"]] = r
+    if proc.returncode != 0 or not results:
+        pytest.fail(f"simulator run failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return results
+
+
+@needs_numba_cuda
+@pytest.mark.parametrize("case_id", sim.CASES)
+def test_simulator_matches_reference(case_id, simulator_results):
+    r = simulator_results.get(case_id)
+    assert r is not None, f"{case_id} did not report"
+    assert "error" not in r, r.get("traceback", r.get("error"))
+    bad = {k: v for k, v in r["errors"].items() if not v <= r["tol"]}
+    assert not bad, f"relative errors above {r['tol']:.0e}: {bad}"
+
+
+@needs_numba_cuda
+def test_simulator_covers_every_norm_path(simulator_results):
+    paths = {p for r in simulator_results.values() for p in r.get("paths", ())}
+    assert {"row", "seg", "column"} <= paths
+    assert {"moments-rows", "moments-small", "moments-cols", "moments-empty"} <= paths
+
