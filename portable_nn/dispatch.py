@@ -473,8 +473,9 @@ def register_kernel(
           ``window``, ``stride``, ``padding``, ``dilation``, ``ceil_mode``,
           ``batched``, ``in_size``, ``out_size``, ``pad_lo``, ``pad_hi`` (the
           high side includes the room ``ceil_mode`` needs); ``avg_pool`` adds
-          ``count_include_pad`` and ``divisors`` (per axis, the divisor of each
-          output position).
+          ``count_include_pad``, ``divisor_override`` (``None`` or the divisor,
+          already folded into ``divisors``) and ``divisors`` (per axis, the
+          divisor of each output position; their product divides).
         - ``log_softmax``: array ``x``; ``axis``, ``scalar`` (0-d ``x``).
         - ``cross_entropy``: arrays ``logits``, ``target``, ``weight``;
           ``axis``, ``classes``, ``probabilities`` (float targets),

@@ -5,7 +5,7 @@ the C-contiguous ``x``: ``B`` planes of ``D·H·W`` spatial positions holding ``
 channels each — ``B = N·C, K = 1`` channels first, ``B = N, K = C`` channels last (``N = 1``
 unbatched).  1-D and 2-D pools are 3-D pools with leading spatial axes of size 1 (window 1,
 stride 1, no padding), so one kernel per dtype serves every case.  The geometry travels as one
-tuple of 21 int64 (:func:`_geometry`).
+tuple of 22 int64 (:func:`_geometry`).
 
 * forward: one thread per output element walks its window in row-major order over the
   positions inside ``x``.  Max starts at −∞ on the window's first real position and takes
@@ -37,8 +37,8 @@ from ._runtime import cast_as, device, kernel, load, store
 from .conv import tap_output
 
 #: Entries of the geometry tuple: in (3), out (3), window (3), stride (3), padding (3),
-#: dilation (3), K, count_include_pad, B.
-_G = "UniTuple(int64, 21)"
+#: dilation (3), K, count_include_pad, B, divisor_override (0: none).
+_G = "UniTuple(int64, 22)"
 _FWD = f"void({{x}}[::1], {{x}}[::1], int32[::1], {_G}, boolean)"
 _MAX_BWD = f"void({{x}}[::1], int32[::1], {{x}}[::1], {_G})"
 _AVG_BWD = f"void({{x}}[::1], {{x}}[::1], {_G})"
@@ -55,7 +55,9 @@ def _axis_divisor(o, n, k, s, p, cip):
 
 @device
 def _divisor(od, oh, ow, g):
-    """The avg divisor of output (od, oh, ow): the product of the per-axis counts."""
+    """The avg divisor of output (od, oh, ow): ``divisor_override``, or the product of the per-axis counts."""
+    if g[21] != 0:
+        return np.float64(g[21])
     a = _axis_divisor(od, g[0], g[6], g[9], g[12], g[19])
     b = _axis_divisor(oh, g[1], g[7], g[10], g[13], g[19])
     c = _axis_divisor(ow, g[2], g[8], g[11], g[14], g[19])
@@ -181,7 +183,7 @@ def _avg_backward(dy, dx, g):
 
 
 def _geometry(call, shape) -> tuple[int, ...]:
-    """The 21-int geometry tuple of a call (1-D/2-D padded to 3-D with unit leading axes)."""
+    """The 22-int geometry tuple of a call (1-D/2-D padded to 3-D with unit leading axes)."""
     d = len(call.window)
     lead = 3 - d
 
@@ -196,7 +198,7 @@ def _geometry(call, shape) -> tuple[int, ...]:
         k, b = 1, math.prod(other)
     return (*three(call.in_size, 1), *three(call.out_size, 1), *three(call.window, 1), *three(call.stride, 1),
             *three(call.padding, 0), *three(call.dilation, 1), k,
-            int(bool(call.params.get("count_include_pad", True))), b)
+            int(bool(call.params.get("count_include_pad", True))), b, int(call.params.get("divisor_override") or 0))
 
 
 def _out_shape(call, shape) -> tuple[int, ...]:

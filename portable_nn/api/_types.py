@@ -35,7 +35,7 @@ Lengths = Any
 #: Every argument kind, as it appears in the ops' annotations.
 KINDS = frozenset({
     "Array", "Array | None", "Axes", "Axes | None", "IntOrTuple", "IntOrTuple | None", "Padding",
-    "ActivationLike", "RnnParams", "Lengths | None", "int", "float", "bool", "str",
+    "ActivationLike", "RnnParams", "Lengths | None", "int", "int | None", "float", "bool", "str",
 })
 #: The kinds that hold arrays (what a framework traces or differentiates).
 ARRAY_KINDS = frozenset({"Array", "Array | None", "RnnParams"})

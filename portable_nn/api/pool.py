@@ -29,6 +29,7 @@ from ._common import (
     Prepared,
     check_array,
     check_bool,
+    check_int,
     check_same_library,
     floating_dtype,
     make_call,
@@ -122,13 +123,28 @@ def _pool_plan(
     return family, device, dtype, params, layout
 
 
-def _avg_divisors(params: dict[str, Any], count_include_pad: bool) -> tuple[tuple[int, ...], ...]:
-    """Per spatial axis, the divisor of every output position (PyTorch's rule).
+def _check_divisor_override(value: Any) -> int | None:
+    if value is None:
+        return None
+    value = check_int(value, "divisor_override")
+    if value == 0:
+        raise ValueError("divisor_override must be a nonzero int or None, got 0")
+    return value
+
+
+def _avg_divisors(
+    params: dict[str, Any], count_include_pad: bool, divisor_override: int | None = None
+) -> tuple[tuple[int, ...], ...]:
+    """Per spatial axis, the divisor of every output position (PyTorch's rule); their product divides.
 
     The window counts the positions it covers inside the padded input (with
     ``count_include_pad``) or inside the input itself; positions beyond the
-    padded input, which only ``ceil_mode`` creates, never count.
+    padded input, which only ``ceil_mode`` creates, never count.  A
+    ``divisor_override`` is the first axis's divisor everywhere, the others' 1.
     """
+    if divisor_override is not None:
+        ones = [(1,) * out for out in params["out_size"]]
+        return ((divisor_override,) * params["out_size"][0], *ones[1:])
     result = []
     for k, s, p, n, out in zip(
         params["window"], params["stride"], params["padding"], params["in_size"], params["out_size"]
@@ -222,14 +238,15 @@ def avg_pool(
     padding: IntOrTuple = 0,
     ceil_mode: bool = False,
     count_include_pad: bool = True,
+    divisor_override: int | None = None,
     channel_axis: int = 1,
 ) -> Any:
     """Average pooling over 1 to 3 spatial axes (PyTorch's ``avg_pool1d/2d/3d``).
 
-    y[n, c, o] = Σ_window x / divisor, with zero padding.  The divisor is the
-    number of window positions inside the padded input with
-    ``count_include_pad=True`` (positions beyond it, which only ``ceil_mode``
-    creates, do not count), or inside the input itself with
+    y[n, c, o] = Σ_window x / divisor, with zero padding.  The divisor is
+    ``divisor_override`` when given, else the number of window positions inside
+    the padded input with ``count_include_pad=True`` (positions beyond it, which
+    only ``ceil_mode`` creates, do not count), or inside the input itself with
     ``count_include_pad=False`` — exactly PyTorch's rule.
 
     Args:
@@ -241,6 +258,8 @@ def avg_pool(
         padding: int or per-axis tuple, 0 <= padding <= window // 2.
         ceil_mode: round the output size up, as PyTorch does.
         count_include_pad: whether padded positions count in the divisor.
+        divisor_override: a nonzero int dividing every window's sum instead of
+            the count (then ``count_include_pad`` has no effect), or ``None``.
         channel_axis: 1 (channels first) or -1 (channels last), counted in the
             batched layout.
 
@@ -252,8 +271,9 @@ def avg_pool(
     Raises:
         ValueError: a window larger than the padded input, a non-positive
             window or stride, padding above ``window // 2``, tuple arguments of
-            the wrong length, an unsupported ``channel_axis``.
-        TypeError: non-array or non-floating ``x``, non-int geometry arguments.
+            the wrong length, an unsupported ``channel_axis``, ``divisor_override=0``.
+        TypeError: non-array or non-floating ``x``, non-int geometry arguments or
+            ``divisor_override``.
 
     Gradients:
         ``vjp`` fields: ``(x,)``; dx spreads dy / divisor over each window.
@@ -272,6 +292,7 @@ def avg_pool(
     )
     count_include_pad = check_bool(count_include_pad, "count_include_pad")
     params["count_include_pad"] = count_include_pad
-    params["divisors"] = _avg_divisors(params, count_include_pad)
+    params["divisor_override"] = _check_divisor_override(divisor_override)
+    params["divisors"] = _avg_divisors(params, count_include_pad, params["divisor_override"])
     call = make_call("avg_pool", {"x": x}, params, family=family, device=device, dtype=dtype, layout=layout)
     return Prepared(call, _POOL_FIELDS, {"x": x})

@@ -545,3 +545,13 @@ def test_plain_pnn_traces_the_reference_with_a_tracer_beside_concrete_parameters
 
     expected = jax.grad(lambda x: jnp.sum(pnj.reference_autodiff(pnn.layer_norm, x, w) ** 2 * jnp.arange(5.0)))(x)
     assert_close(jax.grad(loss)(x), expected, 1e-10)
+
+
+def test_avg_pool_divisor_override_under_jit_and_grad():
+    x = np.random.default_rng(3).standard_normal((2, 3, 7, 6)).astype(np.float32)
+    kw = dict(stride=2, padding=1, ceil_mode=True, divisor_override=4)
+    y = jax.jit(lambda v: pnj.avg_pool(v, 3, **kw))(jnp.asarray(x))
+    expected, pullback = pnn.vjp(pnn.avg_pool, x, 3, **kw)
+    assert_close(np.asarray(y), expected, 1e-6)
+    g = jax.grad(lambda v: pnj.avg_pool(v, 3, **kw).sum())(jnp.asarray(x))
+    assert_close(np.asarray(g), pullback(np.ones_like(expected)).x, 1e-6)

@@ -60,8 +60,16 @@ def _torch_pool(kind: str, x64: np.ndarray, dy64: np.ndarray, d: int, kwargs: di
     window = kw.pop("window")
     if kw.get("stride") is None:
         kw.pop("stride", None)
+    if kw.get("divisor_override", 0) is None:
+        kw.pop("divisor_override")
     xt = torch.tensor(x64, dtype=torch.float64, requires_grad=True)
-    yt = fn(xt, window, **kw)
+    if d == 1 and kw.get("divisor_override") is not None:
+        # F.avg_pool1d has no divisor_override: the same pooling as 2-D over a unit axis.
+        pair = lambda v: (1, v[0] if isinstance(v, (tuple, list)) else v)  # noqa: E731
+        kw2 = {**kw, **{k: pair(kw[k]) for k in ("stride",) if k in kw}, "padding": (0, pair(kw["padding"])[1])}
+        yt = F.avg_pool2d(xt[:, :, None, :], pair(window), **kw2)[:, :, 0, :]
+    else:
+        yt = fn(xt, window, **kw)
     yt.backward(torch.tensor(dy64, dtype=torch.float64))
     return yt.detach().numpy(), xt.grad.numpy()
 
@@ -105,6 +113,7 @@ _AVG_GRID = grid(
         "batched": [True, False],
         "ceil_mode": [False, True],
         "count_include_pad": [True, False],
+        "divisor_override": [None, 3, -2],
     }
 )
 
@@ -120,7 +129,8 @@ def test_max_pool_matches_torch(case, cfg):
 @pytest.mark.parametrize("cfg", _AVG_GRID)
 def test_avg_pool_matches_torch(case, cfg):
     rng = np.random.default_rng(list(GEOMS).index(cfg["geom"]))
-    extra = {"ceil_mode": cfg["ceil_mode"], "count_include_pad": cfg["count_include_pad"]}
+    extra = {"ceil_mode": cfg["ceil_mode"], "count_include_pad": cfg["count_include_pad"],
+             "divisor_override": cfg["divisor_override"]}
     _run_case(case, "avg", GEOMS[cfg["geom"]], cfg["layout"], cfg["batched"], extra, rng)
 
 
@@ -357,6 +367,13 @@ def test_bad_dilation():
         max_pool(_X4, 2, dilation=0)
     with pytest.raises(ValueError, match="effective size 7"):
         max_pool(_X4, 3, dilation=3)
+
+
+def test_avg_pool_rejects_a_bad_divisor_override():
+    with pytest.raises(ValueError, match="divisor_override"):
+        avg_pool(_X4, 2, divisor_override=0)
+    with pytest.raises(TypeError, match="divisor_override"):
+        avg_pool(_X4, 2, divisor_override=1.5)
 
 
 def test_avg_pool_rejects_bad_count_include_pad():

@@ -56,6 +56,7 @@ from . import (
     functional,
 )
 from ._ops import saved_pullbacks
+from .cells import CrossEntropyLoss, GRUCell, LSTMCell, RNNCell
 from .functional import *  # noqa: F403  (one function per portable_nn op, generated from its description)
 from .modules import (
     GRU,
@@ -75,24 +76,35 @@ from .modules import (
     Linear,
     RMSNorm,
 )
+from .pooling import AvgPool1d, AvgPool2d, AvgPool3d, MaxPool1d, MaxPool2d, MaxPool3d
 
 __all__ = [
     "GRU",
     "LSTM",
     "RNN",
+    "AvgPool1d",
+    "AvgPool2d",
+    "AvgPool3d",
     "BatchNorm1d",
     "BatchNorm2d",
     "BatchNorm3d",
     "Conv1d",
     "Conv2d",
     "Conv3d",
+    "CrossEntropyLoss",
+    "GRUCell",
     "GroupNorm",
     "InstanceNorm1d",
     "InstanceNorm2d",
     "InstanceNorm3d",
+    "LSTMCell",
     "LayerNorm",
     "Linear",
+    "MaxPool1d",
+    "MaxPool2d",
+    "MaxPool3d",
     "RMSNorm",
+    "RNNCell",
     "saved_pullbacks",
 ]
 __all__ += functional.__all__

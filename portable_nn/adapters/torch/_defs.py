@@ -178,6 +178,7 @@ KINDS: dict[str, Kind] = {
     "RnnParams": Kind((("Tensor[]", "weights"), ("Tensor[]", "biases")), _encode_params, _decode_params),
     "Lengths | None": Kind((("int[]?", "{}"),), _encode_lengths),
     "int": Kind((("int", "{}"),), _scalar(int)),
+    "int | None": Kind((("int?", "{}"),), _optional(_scalar(int))),
     "float": Kind((("float", "{}"),), _scalar(float)),
     "bool": Kind((("bool", "{}"),), _scalar(bool)),
     "str": Kind((("str", "{}"),), _scalar(str)),

@@ -96,7 +96,8 @@ class GroupNorm(nn.GroupNorm):
     """Drop-in ``torch.nn.GroupNorm`` running our fused group-norm kernels.
 
     Args:
-        num_groups, num_channels, eps, affine, device, dtype: as in ``torch.nn.GroupNorm``.
+        num_groups, num_channels, eps, affine, device, dtype, bias: as in ``torch.nn.GroupNorm``
+            (``bias=False``: a scale without a shift).
         activation: keyword-only fused activation (default ``"identity"``).
         channel_axis: keyword-only; 1 for ``(N, C, *)`` data (PyTorch's), -1 for
             channels-last ``(N, *, C)`` data.
@@ -111,10 +112,12 @@ class GroupNorm(nn.GroupNorm):
         device: Any = None,
         dtype: Any = None,
         *,
+        bias: bool = True,
         activation: ActivationLike = "identity",
         channel_axis: int = 1,
     ) -> None:
-        super().__init__(num_groups, num_channels, eps, affine, device, dtype)
+        # ``bias=`` is recent in torch.nn's norms: pass it only when it changes something.
+        super().__init__(num_groups, num_channels, eps, affine, device, dtype, **({} if bias else {"bias": False}))
         self.activation = parse_activation(activation)
         self.channel_axis = _check_channel_axis(channel_axis)
 

@@ -39,6 +39,8 @@ def pool_specs():
         ("avg2d-nhwc", "avg_pool", (r.standard_normal((2, 5, 6, 3)), 2), {"padding": 1, "channel_axis": -1}),
         ("avg1d-overlap", "avg_pool", (r.standard_normal((2, 3, 9)), 4), {"stride": 3, "padding": 2}),
         ("avg3d-unbatched", "avg_pool", (r.standard_normal((2, 4, 5, 6)), (2, 2, 2)), {"stride": (1, 2, 2)}),
+        ("avg2d-divisor-override", "avg_pool", (r.standard_normal((2, 3, 7, 6)), 3),
+         {"stride": 2, "padding": 1, "ceil_mode": True, "divisor_override": -5}),
     ]
 
 

@@ -382,6 +382,8 @@ _POOL = {
     "avg-unbatched-nlc": ("avg_pool", (7, 3), {"window": (3,), "stride": 1, "channel_axis": -1}, "float64", False,
                           None),
     "avg-bfloat16": ("avg_pool", (2, 2, 6, 4), {"window": 2}, "float32", True, None),
+    "avg-2d-divisor-override": ("avg_pool", (2, 2, 7, 5), {"window": 3, "stride": 2, "padding": 1, "ceil_mode": True,
+                                                          "divisor_override": 4}, "float64", False, None),
     "max-empty-batch": ("max_pool", (0, 2, 5), {"window": 2}, "float64", False, None),
 }
 for _name, (_op, _shape, _kw, _dt, _bf, _prep) in _POOL.items():

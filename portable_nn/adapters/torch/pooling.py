@@ -1,0 +1,112 @@
+"""Drop-in ``torch.nn`` pooling modules running portable_nn's pooling kernels."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from .functional import avg_pool, max_pool
+
+
+def _per_axis(value: Any, d: int) -> tuple[int, ...]:
+    """``torch.nn``'s int-or-tuple geometry as a tuple of ``d`` ints (so unbatched input keeps its meaning)."""
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * d
+
+
+def _check_channel_axis(channel_axis: Any) -> int:
+    if channel_axis not in (1, -1):
+        raise ValueError(f"channel_axis must be 1 (channels first) or -1 (channels last), got {channel_axis!r}")
+    return int(channel_axis)
+
+
+class _MaxPoolMixin:
+    """What our max-pool modules add to ``torch.nn``'s: the kernel and ``channel_axis=``."""
+
+    _d: int
+
+    def __init__(self, kernel_size: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1,
+                 return_indices: bool = False, ceil_mode: bool = False, *, channel_axis: int = 1) -> None:
+        if return_indices:
+            raise NotImplementedError(
+                "return_indices=True: portable_nn's max_pool does not return indices yet (use return_indices=False)"
+            )
+        super().__init__(kernel_size, stride, padding, dilation, return_indices, ceil_mode)  # type: ignore[call-arg]
+        self.channel_axis = _check_channel_axis(channel_axis)
+
+    def forward(self, input: Tensor) -> Tensor:
+        """Max over each window of ``input`` ``(N, C, *spatial)`` or ``(C, *spatial)`` (or channels last)."""
+        d = self._d
+        return max_pool(input, _per_axis(self.kernel_size, d), stride=_per_axis(self.stride, d),
+                        padding=_per_axis(self.padding, d), dilation=_per_axis(self.dilation, d),
+                        ceil_mode=bool(self.ceil_mode), channel_axis=self.channel_axis)
+
+
+class MaxPool1d(_MaxPoolMixin, nn.MaxPool1d):
+    """Drop-in ``torch.nn.MaxPool1d`` (arguments as there, ``return_indices=False`` only; keyword-only
+    ``channel_axis=-1`` for ``(N, L, C)`` data); the gradient goes to each window's first maximum."""
+
+    _d = 1
+
+
+class MaxPool2d(_MaxPoolMixin, nn.MaxPool2d):
+    """Drop-in ``torch.nn.MaxPool2d`` (see :class:`MaxPool1d`)."""
+
+    _d = 2
+
+
+class MaxPool3d(_MaxPoolMixin, nn.MaxPool3d):
+    """Drop-in ``torch.nn.MaxPool3d`` (see :class:`MaxPool1d`)."""
+
+    _d = 3
+
+
+class _AvgPoolMixin:
+    """What our average-pool modules add to ``torch.nn``'s: the kernel and ``channel_axis=``."""
+
+    _d: int
+
+    def forward(self, input: Tensor) -> Tensor:
+        """The mean over each window of ``input`` (PyTorch's divisor rule, or ``divisor_override``)."""
+        d = self._d
+        return avg_pool(input, _per_axis(self.kernel_size, d), stride=_per_axis(self.stride, d),
+                        padding=_per_axis(self.padding, d), ceil_mode=bool(self.ceil_mode),
+                        count_include_pad=bool(self.count_include_pad),
+                        divisor_override=getattr(self, "divisor_override", None), channel_axis=self.channel_axis)
+
+
+class AvgPool1d(_AvgPoolMixin, nn.AvgPool1d):
+    """Drop-in ``torch.nn.AvgPool1d`` (arguments as there; keyword-only ``channel_axis=-1`` for
+    ``(N, L, C)`` data)."""
+
+    _d = 1
+
+    def __init__(self, kernel_size: Any, stride: Any = None, padding: Any = 0, ceil_mode: bool = False,
+                 count_include_pad: bool = True, *, channel_axis: int = 1) -> None:
+        super().__init__(kernel_size, stride, padding, ceil_mode, count_include_pad)
+        self.channel_axis = _check_channel_axis(channel_axis)
+
+
+class AvgPool2d(_AvgPoolMixin, nn.AvgPool2d):
+    """Drop-in ``torch.nn.AvgPool2d`` (arguments as there, ``divisor_override`` included; keyword-only
+    ``channel_axis=-1`` for channels-last data)."""
+
+    _d = 2
+
+    def __init__(self, kernel_size: Any, stride: Any = None, padding: Any = 0, ceil_mode: bool = False,
+                 count_include_pad: bool = True, divisor_override: int | None = None, *,
+                 channel_axis: int = 1) -> None:
+        super().__init__(kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+        self.channel_axis = _check_channel_axis(channel_axis)
+
+
+class AvgPool3d(_AvgPoolMixin, nn.AvgPool3d):
+    """Drop-in ``torch.nn.AvgPool3d`` (see :class:`AvgPool2d`)."""
+
+    _d = 3
+
+    def __init__(self, kernel_size: Any, stride: Any = None, padding: Any = 0, ceil_mode: bool = False,
+                 count_include_pad: bool = True, divisor_override: int | None = None, *,
+                 channel_axis: int = 1) -> None:
+        super().__init__(kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+        self.channel_axis = _check_channel_axis(channel_axis)
