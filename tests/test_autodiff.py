@@ -164,3 +164,9 @@ def test_vjp_updates_running_stats_like_a_plain_call():
     pnn.vjp(pnn.batch_norm, x, running_mean=rm2, running_var=rv2)
     np.testing.assert_array_equal(rm1, rm2)
     np.testing.assert_array_equal(rv1, rv2)
+
+
+def test_vjp_given_an_array_names_its_type_without_printing_it():
+    with pytest.raises(TypeError, match=r"got a NumPy array of shape \(100, 100\)") as info:
+        pnn.vjp(np.zeros((100, 100)), np.ones(3))
+    assert len(str(info.value)) < 400

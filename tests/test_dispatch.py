@@ -226,9 +226,9 @@ def test_numpy_native_kernel_gets_zero_copy_views_of_torch_tensors():
 def test_torch_results_are_tensors_without_autograd_history():
     x = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)
     w = torch.ones(3, dtype=torch.float64, requires_grad=True)
-    y = pnn.batch_norm(x, w)
+    y = pnn.batch_norm(x, weight=w)
     assert isinstance(y, torch.Tensor) and not y.requires_grad and y.grad_fn is None
-    y, pullback = pnn.vjp(pnn.batch_norm, x, w)
+    y, pullback = pnn.vjp(pnn.batch_norm, x, weight=w)
     g = pullback(torch.ones_like(y))
     assert isinstance(g.x, torch.Tensor) and not g.x.requires_grad
     assert isinstance(g.weight, torch.Tensor) and g.bias is None

@@ -162,7 +162,11 @@ def public_op(
 
         @functools.wraps(prepare)
         def op(*args: Any, **kwargs: Any) -> Any:
-            prepared = prepare(*args, **kwargs)
+            try:
+                prepared = prepare(*args, **kwargs)
+            except TypeError as exc:
+                _explain_binding(spec, args, kwargs, exc)
+                raise
             return prepared.finish(dispatch.run(prepared.call).outputs)
 
         op._pnn_spec = spec  # type: ignore[attr-defined]
@@ -172,6 +176,31 @@ def public_op(
         return op
 
     return declare
+
+
+def call_form(spec: OpSpec) -> str:
+    """How to call the op: ``batch_norm(x, *, weight=None, bias=None, …)`` (names and defaults only)."""
+    parts, keyword_only = [], False
+    for name, p in spec.signature.parameters.items():
+        if p.kind is p.KEYWORD_ONLY and not keyword_only:
+            parts.append("*")
+            keyword_only = True
+        parts.append(name if p.default is p.empty else f"{name}={p.default!r}")
+    return f"{spec.name}({', '.join(parts)})"
+
+
+def _explain_binding(spec: OpSpec, args: tuple[Any, ...], kwargs: dict[str, Any], exc: TypeError) -> None:
+    """Re-raise Python's argument-binding ``TypeError`` with the op's call form (any other error: return).
+
+    Only on failure: a call that binds never pays for this.
+    """
+    try:
+        spec.signature.bind(*args, **kwargs)
+    except TypeError as binding:
+        hint = ""
+        if any(isinstance(a, (tuple, list)) and a and all(_arrays.is_array(v) for v in a) for a in args):
+            hint = " (a tuple of arrays was given where one array is expected: pass the arrays as separate arguments)"
+        raise TypeError(f"{spec.name}: {binding}; call it as {call_form(spec)}{hint}") from exc
 
 
 _SPECS: dict[str, OpSpec] = {}
@@ -193,8 +222,11 @@ def spec_of(op: Any) -> OpSpec:
         spec = _SPECS.get(op)
     if spec is None:
         known = ", ".join(sorted(_SPECS))
+        # An array (a common slip: vjp(x, ...) for vjp(op, x, ...)) is named by its type, not printed whole.
+        given = f"{_arrays.describe_family(_arrays.family(op))} of shape {tuple(op.shape)}" if _arrays.is_array(op) \
+            else repr(op) if len(repr(op)) <= 80 else f"a {type(op).__name__}"
         raise TypeError(
-            f"op must be a portable_nn op (such as pnn.layer_norm) or its name; got {op!r}. Known ops: {known}"
+            f"op must be a portable_nn op (such as pnn.layer_norm) or its name; got {given}. Known ops: {known}"
         )
     return spec
 

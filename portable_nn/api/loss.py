@@ -179,7 +179,8 @@ def cross_entropy(
             ``ignore_index`` with probability targets.
         TypeError: non-arrays, mixed libraries, non-floating logits, a target
             that is neither integer nor of the logits' floating dtype, a
-            weight of the wrong dtype.
+            floating target with the shape of class labels (labels need an
+            integer dtype), a weight of the wrong dtype.
 
     Gradients:
         ``vjp`` fields: ``(logits,)`` for integer targets, ``(logits, target)`` for
@@ -217,6 +218,13 @@ def cross_entropy(
         expected = tuple(int(s) for i, s in enumerate(logits.shape) if i != class_axis)
         check_shape(target, "target", expected, "class indices: the logits' shape without the class axis")
     elif target_dtype in _arrays.FLOAT_DTYPES:
+        labels_shape = tuple(int(s) for i, s in enumerate(logits.shape) if i != class_axis)
+        if tuple(target.shape) == labels_shape and labels_shape != tuple(logits.shape):
+            raise TypeError(
+                f"target has the shape of class labels {labels_shape} but a floating dtype ({target_dtype}): "
+                "integer class labels need an integer dtype (e.g. int64); floating targets are class "
+                f"probabilities with the logits' shape {tuple(logits.shape)}"
+            )
         if target_dtype != dtype:
             raise TypeError(
                 f"target has dtype {target_dtype} but logits have {dtype}: probability targets must have "

@@ -9,7 +9,11 @@ present; ``pnn.capabilities()`` lists which backend takes which case.
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
+
+import numpy as np
 
 from .. import _arrays
 from ._common import (
@@ -78,13 +82,27 @@ def _channel_plan(x: Any, channel_axis: Any) -> tuple[int, str, int, tuple[int, 
     return axis, layout, channels, param_shape
 
 
-def _check_running(running_mean: Any, running_var: Any, channels: int) -> None:
+def _check_running(x: Any, running_mean: Any, running_var: Any, channels: int) -> None:
     if (running_mean is None) != (running_var is None):
         given = "running_mean" if running_var is None else "running_var"
         missing = "running_var" if running_var is None else "running_mean"
         raise ValueError(f"{given} was given without {missing}; pass both running statistics or neither")
-    check_shape(running_mean, "running_mean", (channels,), "one value per channel")
-    check_shape(running_var, "running_var", (channels,), "one value per channel")
+    _per_channel(x, running_mean, "running_mean", channels)
+    _per_channel(x, running_var, "running_var", channels)
+
+
+def _per_channel(x: Any, value: Any, name: str, channels: int) -> None:
+    """``ValueError`` unless ``value`` has one entry per channel; channels-last data gets a hint."""
+    if value is None or tuple(value.shape) == (channels,):
+        return
+    hint = ""
+    if getattr(value, "ndim", 0) == 1 and x.ndim > 2 and int(x.shape[-1]) == int(value.shape[0]):
+        hint = (f"; x's last axis has {int(x.shape[-1])} entries: for channels-last data (N, ..., C) pass "
+                "channel_axis=-1")
+    raise ValueError(
+        f"{name} must have shape ({channels},) (one value per channel, x has shape {tuple(x.shape)}), "
+        f"got {tuple(value.shape)}{hint}"
+    )
 
 
 def _common_params(eps: Any, activation: Any) -> dict[str, Any]:
@@ -181,8 +199,10 @@ def moments(x: Array, axis: Axes | None = None, *, keepdims: bool = False, corre
         ``n <= correction``.
 
     Raises:
-        TypeError: a non-array or non-floating ``x``, a non-int axis.
-        ValueError: an axis out of range or repeated, a negative ``correction``.
+        TypeError: a non-array or non-floating ``x``, a non-int axis, a non-number
+            ``correction``.
+        ValueError: an axis out of range or repeated, a negative or non-finite
+            ``correction``.
 
     Gradients:
         ``vjp`` fields: ``(x,)``; the pullback takes ``(dmean, dvar)`` (either may be
@@ -200,8 +220,10 @@ def moments(x: Array, axis: Axes | None = None, *, keepdims: bool = False, corre
     xp = _arrays.namespace(x)
     dtype = floating_dtype(xp, x, "x")
     axes = normalize_axes(axis, x.ndim, "axis")
-    if isinstance(correction, bool) or not isinstance(correction, (int, float)) or correction < 0:
-        raise ValueError(f"correction must be a non-negative number, got {correction!r}")
+    if isinstance(correction, bool) or not isinstance(correction, numbers.Real):
+        raise TypeError(f"correction must be a non-negative number, got {type(correction).__name__}")
+    if not (math.isfinite(correction) and correction >= 0):
+        raise ValueError(f"correction must be a non-negative finite number, got {correction!r}")
     params = {"axes": axes, "keepdims": check_bool(keepdims, "keepdims"), "correction": float(correction)}
     call = make_call("moments", {"x": x}, params, family=family, device=device, dtype=dtype)
     return Prepared(call, ("x",), {"x": x}, n_diff_outputs=2, finish=lambda outputs: tuple(outputs))
@@ -230,19 +252,29 @@ def merge_moments(a: tuple[Any, Any, Any], b: tuple[Any, Any, Any]) -> tuple[Any
         ``(n, mean, m2)`` of the union; ``n = n_a + n_b``.
 
     Raises:
-        TypeError: ``a`` or ``b`` is not a 3-tuple, or their arrays come from
+        TypeError: ``a`` or ``b`` is not a 3-tuple, a count that is neither a
+            number nor an array, a mean or m2 that is neither, or arrays from
             different libraries.
-        ValueError: arrays on different devices.
+        ValueError: a negative or non-finite count, shapes that do not
+            broadcast together, arrays on different devices.
     """
     for which, part in (("a", a), ("b", b)):
         if not isinstance(part, (tuple, list)) or len(part) != 3:
             raise TypeError(f"merge_moments: {which} must be a tuple (n, mean, m2)")
     n_a, mean_a, m2_a = a
     n_b, mean_b, m2_b = b
-    named = {"mean_a": mean_a, "m2_a": m2_a, "mean_b": mean_b, "m2_b": m2_b}
+    named = {"n_a": n_a, "mean_a": mean_a, "m2_a": m2_a, "n_b": n_b, "mean_b": mean_b, "m2_b": m2_b}
+    for name, value in named.items():
+        _check_statistic(value, name)
     arrays = {name: v for name, v in named.items() if _arrays.is_array(v)}
     if arrays:
         check_same_library(arrays)
+        shapes = {name: tuple(v.shape) for name, v in arrays.items()}
+        try:
+            np.broadcast_shapes(*shapes.values())
+        except ValueError:
+            listing = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+            raise ValueError(f"merge_moments: the statistics' shapes do not broadcast together: {listing}") from None
     n = n_a + n_b
     # Ratios of counts are formed in the statistics' dtype: integer count arrays would otherwise
     # divide with their own (non-standard) true division and promote or demote the statistics.
@@ -261,6 +293,17 @@ def merge_moments(a: tuple[Any, Any, Any], b: tuple[Any, Any, Any]) -> tuple[Any
     mean = _where(b_empty, mean_a, _where(a_empty, mean_b, mean))
     m2 = _where(b_empty, m2_a, _where(a_empty, m2_b, m2))
     return n, mean, m2
+
+
+def _check_statistic(value: Any, name: str) -> None:
+    """A count, mean or m2 of :func:`merge_moments`: an array, or a (finite, non-negative for counts) number."""
+    if _arrays.is_array(value):
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        what = "count" if name.startswith("n_") else "statistic"
+        raise TypeError(f"merge_moments: {name} (a {what}) must be a number or an array, got {type(value).__name__}")
+    if name.startswith("n_") and not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"merge_moments: {name} must be a non-negative finite count, got {value!r}")
 
 
 def _where(condition: Any, if_true: Any, if_false: Any) -> Any:
@@ -364,9 +407,9 @@ def batch_norm(
     _, family, device, dtype, mixed = _check_arrays(named, ("weight", "bias", "running_mean", "running_var"))
     check_min_ndim(x, "x", 2, "(N, C, ...)")
     axis, layout, channels, param_shape = _channel_plan(x, channel_axis)
-    check_shape(weight, "weight", (channels,), "one value per channel")
-    check_shape(bias, "bias", (channels,), "one value per channel")
-    _check_running(running_mean, running_var, channels)
+    _per_channel(x, weight, "weight", channels)
+    _per_channel(x, bias, "bias", channels)
+    _check_running(x, running_mean, running_var, channels)
     params = _common_params(eps, activation)
     training = check_bool(training, "training")
     momentum = check_fraction(momentum, "momentum")
@@ -611,8 +654,8 @@ def group_norm(
     groups = check_int(num_groups, "num_groups", minimum=1)
     if channels % groups:
         raise ValueError(f"num_groups ({groups}) must divide the number of channels ({channels})")
-    check_shape(weight, "weight", (channels,), "one value per channel")
-    check_shape(bias, "bias", (channels,), "one value per channel")
+    _per_channel(x, weight, "weight", channels)
+    _per_channel(x, bias, "bias", channels)
     params = _common_params(eps, activation)
     shape = tuple(int(s) for s in x.shape)
     view = (*shape[:axis], groups, channels // groups, *shape[axis + 1 :])
@@ -714,9 +757,9 @@ def instance_norm(
     _, family, device, dtype, mixed = _check_arrays(named, ("weight", "bias", "running_mean", "running_var"))
     check_min_ndim(x, "x", 3, "(N, C, *spatial) with at least one spatial axis")
     axis, layout, channels, param_shape = _channel_plan(x, channel_axis)
-    check_shape(weight, "weight", (channels,), "one value per channel")
-    check_shape(bias, "bias", (channels,), "one value per channel")
-    _check_running(running_mean, running_var, channels)
+    _per_channel(x, weight, "weight", channels)
+    _per_channel(x, bias, "bias", channels)
+    _check_running(x, running_mean, running_var, channels)
     params = _common_params(eps, activation)
     use_input_stats = check_bool(use_input_stats, "use_input_stats")
     momentum = check_fraction(momentum, "momentum")

@@ -78,6 +78,11 @@ def _prepare_cell(
     params: dict[str, Any],
 ) -> Prepared:
     has_cell = op == "lstm_cell"
+    if has_cell and isinstance(h, (tuple, list)):
+        raise TypeError(
+            "lstm_cell takes h and c as separate arguments: lstm_cell(x, h, c, w_ih, w_hh, b_ih, b_hh), "
+            "not PyTorch's (h, c) tuple"
+        )
     states = {"h": h, "c": c} if has_cell else {"h": h}
     named = {"x": x, **states, "w_ih": w_ih, "w_hh": w_hh, "b_ih": b_ih, "b_hh": b_hh}
     for name, value in named.items():

@@ -209,7 +209,8 @@ def _norm_workload(name: str, op: str, shape: tuple[int, ...], quick_shape: tupl
         w, b = np.ones(c, np.float32), np.zeros(c, np.float32)
         fn = getattr(pnn, op)
         xp, dyp, wp, bp = place.array(x), place.array(dy), place.array(w, "float32"), place.array(b, "float32")
-        args = (xp, *extra, wp) if op == "rms_norm" else (xp, *extra, wp, bp)
+        args = (xp, *extra)
+        params = {"weight": wp} if op == "rms_norm" else {"weight": wp, "bias": bp}
 
         def torch_cases() -> Phases:
             import torch.nn.functional as F
@@ -226,7 +227,7 @@ def _norm_workload(name: str, op: str, shape: tuple[int, ...], quick_shape: tupl
             return _torch_phases(forward, inputs, place.tensor(dy))
 
         n = place.nbytes(x)
-        return Cases(lambda be: _op_phases(be, fn, args, {}, dyp), torch_cases,
+        return Cases(lambda be: _op_phases(be, fn, args, params, dyp), torch_cases,
                      {"fwd": 2 * n, "bwd": 3 * n, "fwd+bwd": 5 * n})
 
     return Workload(name.format(shape=_shape(shape)), (op,), build, name.format(shape=_shape(quick_shape)))
@@ -414,8 +415,8 @@ def _resnet_layer_workload(cin: int, cout: int, stride: int, hw: int, batch: int
         axis = -1 if channels_last else 1
         layers: list[Layer] = [
             (pnn.conv, (place.array(w),), {"stride": stride, "padding": 1, "channel_axis": axis}, ("x", "weight")),
-            (pnn.batch_norm, (place.array(gamma), place.array(beta)), {"activation": "relu", "channel_axis": axis},
-             ("x", "weight", "bias")),
+            (pnn.batch_norm, (), {"weight": place.array(gamma), "bias": place.array(beta), "activation": "relu",
+                                  "channel_axis": axis}, ("x", "weight", "bias")),
         ]
         xp, dyp = place.array(to_nhwc(x)), place.array(to_nhwc(dy))
 

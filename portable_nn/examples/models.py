@@ -158,10 +158,10 @@ class CNN(Model):
         p, g, work = self.params, self.grads, self._work
         # forward: each vjp returns the output and the pullback that maps its cotangent back
         a1, conv1 = pnn.vjp(pnn.conv, x, p["conv1.weight"], padding=1, wrt=("weight",))  # no dx for the input
-        h1, bn1 = pnn.vjp(pnn.batch_norm, a1, p["bn1.weight"], p["bn1.bias"], **self._bn("bn1", True))
+        h1, bn1 = pnn.vjp(pnn.batch_norm, a1, weight=p["bn1.weight"], bias=p["bn1.bias"], **self._bn("bn1", True))
         m1, pool1 = pnn.vjp(pnn.max_pool, h1, 2)
         a2, conv2 = pnn.vjp(pnn.conv, m1, p["conv2.weight"], padding=1)
-        h2, bn2 = pnn.vjp(pnn.batch_norm, a2, p["bn2.weight"], p["bn2.bias"], **self._bn("bn2", True))
+        h2, bn2 = pnn.vjp(pnn.batch_norm, a2, weight=p["bn2.weight"], bias=p["bn2.bias"], **self._bn("bn2", True))
         m2, pool2 = pnn.vjp(pnn.max_pool, h2, 2)
         flat = m2.reshape(m2.shape[0], -1)
         f1, fc1 = pnn.vjp(pnn.dense, flat, p["fc1.weight"], p["fc1.bias"], activation="relu")
@@ -182,9 +182,9 @@ class CNN(Model):
     def logits(self, x: Any) -> Any:
         p = self.params
         h = pnn.conv(x, p["conv1.weight"], padding=1)
-        h = pnn.max_pool(pnn.batch_norm(h, p["bn1.weight"], p["bn1.bias"], **self._bn("bn1", False)), 2)
+        h = pnn.max_pool(pnn.batch_norm(h, weight=p["bn1.weight"], bias=p["bn1.bias"], **self._bn("bn1", False)), 2)
         h = pnn.conv(h, p["conv2.weight"], padding=1)
-        h = pnn.max_pool(pnn.batch_norm(h, p["bn2.weight"], p["bn2.bias"], **self._bn("bn2", False)), 2)
+        h = pnn.max_pool(pnn.batch_norm(h, weight=p["bn2.weight"], bias=p["bn2.bias"], **self._bn("bn2", False)), 2)
         h = pnn.dense(h.reshape(h.shape[0], -1), p["fc1.weight"], p["fc1.bias"], activation="relu")
         return pnn.dense(h, p["fc2.weight"], p["fc2.bias"])
 

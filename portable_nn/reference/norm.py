@@ -103,7 +103,8 @@ def moments_forward(call: Call) -> tuple[tuple[Any, Any], Any]:
     if not call.keepdims:
         mean = _squeeze(xp, mean, call.axes)
         var = _squeeze(xp, var, call.axes)
-    return (mean, var), residuals
+    # NumPy turns 0-d results into scalars; the caller gets 0-d arrays of its library, as from the kernels.
+    return (xp.asarray(mean), xp.asarray(var)), residuals
 
 
 def _squeeze(xp: Any, a: Any, axes: tuple[int, ...]) -> Any:

@@ -353,7 +353,7 @@ def test_vmap(x64, route):
     w, b = jnp.asarray(rng.standard_normal(6)), jnp.asarray(rng.standard_normal(6))
 
     def per_example(x):  # batch statistics over each example's 4 rows
-        return pnj.batch_norm(x, w, b, eps=1e-3, activation="silu")
+        return pnj.batch_norm(x, weight=w, bias=b, eps=1e-3, activation="silu")
 
     def grad_w(x):
         return jax.grad(lambda w: jnp.sum(jnp.sin(pnj.layer_norm(x, w, b))))(w)
@@ -381,8 +381,8 @@ def _cnn_params(rng: np.random.Generator) -> dict[str, Any]:
 
 def _cnn_loss(ops: Any, params: dict[str, Any], stats: tuple[Any, Any], x: Any, y: Any) -> Any:
     h = ops.conv(x, params["conv_w"], padding=1, activation="identity")
-    h, mean, var = ops.batch_norm(h, params["bn_w"], params["bn_b"], running_mean=stats[0], running_var=stats[1],
-                                  activation="relu", return_stats=True)
+    h, mean, var = ops.batch_norm(h, weight=params["bn_w"], bias=params["bn_b"], running_mean=stats[0],
+                                  running_var=stats[1], activation="relu", return_stats=True)
     h = ops.max_pool(h, 2)
     logits = ops.dense(jnp.reshape(h, (h.shape[0], -1)), params["fc_w"], params["fc_b"])
     return ops.cross_entropy(logits, y, label_smoothing=0.05), (mean, var)

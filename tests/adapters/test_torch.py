@@ -77,13 +77,14 @@ def _gradcheck_cases():
         "group_norm": (lambda x, w, b: pnt.group_norm(x, 2, w, b, activation="silu"), (_t(2, 4, 3), w4, b4)),
         "group_norm_last": (lambda x, w, b: pnt.group_norm(x, 2, w, b, channel_axis=-1), (_t(2, 3, 4), w4, b4)),
         "batch_norm_train": (
-            lambda x, w, b: pnt.batch_norm(x, w, b, running_mean=rm.clone(), running_var=rv.clone(),
+            lambda x, w, b: pnt.batch_norm(x, weight=w, bias=b, running_mean=rm.clone(), running_var=rv.clone(),
                                            activation="gelu"),
             (_t(4, 3, 2), _t(3), _t(3))),
         "batch_norm_eval": (
-            lambda x, w, b: pnt.batch_norm(x, w, b, running_mean=rm + 0.2, running_var=rv * 1.5, training=False),
+            lambda x, w, b: pnt.batch_norm(x, weight=w, bias=b, running_mean=rm + 0.2, running_var=rv * 1.5,
+                                           training=False),
             (_t(4, 3, 2), _t(3), _t(3))),
-        "instance_norm": (lambda x, w, b: pnt.instance_norm(x, w, b, activation=("leaky_relu", 0.2)),
+        "instance_norm": (lambda x, w, b: pnt.instance_norm(x, weight=w, bias=b, activation=("leaky_relu", 0.2)),
                           (_t(2, 3, 4), _t(3), _t(3))),
         "moments": (lambda x: pnt.moments(x, 1, correction=1), (x34,)),
         "dense": (lambda x, w, b: pnt.dense(x, w, b, activation="gelu"), (_t(2, 3, 4), _t(5, 4), _t(5))),
@@ -311,16 +312,16 @@ def test_pullback_survives_multiple_backward_calls():
 def test_batch_norm_functional_forms():
     x, w, b = _t(6, 3, 2), _t(3), _t(3)
     rm, rv = torch.zeros(3, dtype=DT), torch.ones(3, dtype=DT)
-    y, new_mean, new_var = pnt.batch_norm(x, w, b, running_mean=rm, running_var=rv, momentum=0.3,
+    y, new_mean, new_var = pnt.batch_norm(x, weight=w, bias=b, running_mean=rm, running_var=rv, momentum=0.3,
                                           return_stats=True)
     assert torch.equal(rm, torch.zeros(3, dtype=DT))  # nothing mutated
     erm, erv = rm.clone(), rv.clone()
     expected = F.batch_norm(x, erm, erv, w, b, training=True, momentum=0.3)
     assert _rel(y, expected) < 1e-13 and _rel(new_mean, erm) < 1e-13 and _rel(new_var, erv) < 1e-13
-    y2 = pnt.batch_norm(x, w, b, running_mean=rm, running_var=rv, momentum=0.3)  # in place
+    y2 = pnt.batch_norm(x, weight=w, bias=b, running_mean=rm, running_var=rv, momentum=0.3)  # in place
     assert _rel(y2, expected) < 1e-13 and _rel(rm, erm) < 1e-13 and _rel(rv, erv) < 1e-13
     assert rm.grad_fn is None and not rm.requires_grad
-    ye, m2, v2 = pnt.batch_norm(x, w, b, running_mean=rm, running_var=rv, training=False, return_stats=True)
+    ye, m2, v2 = pnt.batch_norm(x, weight=w, bias=b, running_mean=rm, running_var=rv, training=False, return_stats=True)
     assert m2 is rm and v2 is rv
     assert _rel(ye, F.batch_norm(x, rm, rv, w, b, training=False)) < 1e-13
 

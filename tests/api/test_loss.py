@@ -385,3 +385,8 @@ def test_cross_entropy_label_check_on_every_library():
 def test_log_softmax_bad_arguments(x, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         log_softmax(x, **kwargs)
+
+
+def test_float_labels_say_labels_need_an_integer_dtype():
+    with pytest.raises(TypeError, match="integer dtype"):
+        pnn.cross_entropy(np.ones((4, 3)), np.array([0.0, 1.0, 2.0, 0.0]))

@@ -115,12 +115,25 @@ def assert_like(a: Any, like: Any, what: str) -> None:
 
 
 def norm_args(op: str, x: Any, weight: Any, bias: Any = None, num_groups: int | None = None) -> tuple[Any, ...]:
-    """Positional arguments of a norm (group_norm takes ``num_groups`` second; rms_norm has no bias)."""
+    """Positional arguments of a norm (group_norm takes ``num_groups`` second; rms_norm has no bias;
+    batch and instance norm take ``weight``/``bias`` by keyword: see :func:`norm_kwargs`)."""
+    if op in KEYWORD_PARAMS:
+        return (x,)
     if op == "rms_norm":
         return (x, weight)
     if op == "group_norm":
         return (x, num_groups, weight, bias)
     return (x, weight, bias)
+
+
+#: The norms whose ``weight`` and ``bias`` are keyword-only (PyTorch's functional forms put the running
+#: statistics first, so a positional port must fail).
+KEYWORD_PARAMS = ("batch_norm", "instance_norm")
+
+
+def norm_kwargs(op: str, weight: Any, bias: Any = None) -> dict[str, Any]:
+    """The keyword arguments that go with :func:`norm_args`."""
+    return {"weight": weight, "bias": bias} if op in KEYWORD_PARAMS else {}
 
 
 def grad_fields(op: str) -> tuple[str, ...]:
@@ -231,7 +244,8 @@ def check_against_torch(case: Any, p: NormProblem, seed: int) -> None:
     before_inputs, before_stats = snapshot(inputs), snapshot([running_mean, running_var])
     with case.use():
         result, pullback = pnn.vjp(
-            getattr(pnn, p.op), *norm_args(p.op, x, weight, bias, p.num_groups), wrt=wrt, **kwargs
+            getattr(pnn, p.op), *norm_args(p.op, x, weight, bias, p.num_groups), **norm_kwargs(p.op, weight, bias),
+            wrt=wrt, **kwargs
         )
         grads = pullback(dy)
 
@@ -509,11 +523,13 @@ def test_defaults_match_torch():
     t = torch.tensor
     results = {
         "batch_norm": (
-            pnn.batch_norm(x, cw, cb, running_mean=stats["batch_norm"][0], running_var=stats["batch_norm"][1]),
+            pnn.batch_norm(x, weight=cw, bias=cb, running_mean=stats["batch_norm"][0],
+                           running_var=stats["batch_norm"][1]),
             F.batch_norm(t(x), *torch_stats["batch_norm"], t(cw), t(cb), training=True),
         ),
         "instance_norm": (
-            pnn.instance_norm(x, cw, cb, running_mean=stats["instance_norm"][0], running_var=stats["instance_norm"][1]),
+            pnn.instance_norm(x, weight=cw, bias=cb, running_mean=stats["instance_norm"][0],
+                              running_var=stats["instance_norm"][1]),
             F.instance_norm(t(x), *torch_stats["instance_norm"], t(cw), t(cb)),
         ),
         "group_norm": (pnn.group_norm(x, 2, cw, cb), F.group_norm(t(x), 2, t(cw), t(cb))),
@@ -550,9 +566,10 @@ def test_torch_results_have_no_autograd_history(op, case):
     if op in ("batch_norm", "instance_norm"):
         kwargs = {"running_mean": case.param(np.zeros(6)), "running_var": case.param(np.ones(6)), "return_stats": True}
     with case.use():
-        result = getattr(pnn, op)(*norm_args(op, x, w, b, groups), **kwargs)
-        plain = getattr(pnn, op)(*norm_args(op, x.detach(), w.detach(), b.detach(), groups), **kwargs)
-        y, pullback = pnn.vjp(getattr(pnn, op), *norm_args(op, x, w, b, groups), **kwargs)
+        result = getattr(pnn, op)(*norm_args(op, x, w, b, groups), **norm_kwargs(op, w, b), **kwargs)
+        plain = getattr(pnn, op)(*norm_args(op, x.detach(), w.detach(), b.detach(), groups),
+                                 **norm_kwargs(op, w.detach(), b.detach()), **kwargs)
+        y, pullback = pnn.vjp(getattr(pnn, op), *norm_args(op, x, w, b, groups), **norm_kwargs(op, w, b), **kwargs)
         grads = pullback(torch.ones_like(y[0] if kwargs else y))
     outputs, expected = (result, plain) if kwargs else ((result,), (plain,))
     for out, ref in zip(outputs, expected):
@@ -642,11 +659,13 @@ def test_gradients_match_finite_differences(name, case):
         args["bias"] = rng.normal(0.0, 0.5, pshape)
 
     def f(**a):
-        return getattr(pnn, op)(*norm_args(op, *a.values(), num_groups=groups), **kwargs)
+        values = list(a.values())
+        return getattr(pnn, op)(*norm_args(op, *values, num_groups=groups), **norm_kwargs(op, *values[1:]), **kwargs)
 
     dy = rng.standard_normal(shape)
     with case.use():
-        _, pullback = pnn.vjp(getattr(pnn, op), *norm_args(op, *args.values(), num_groups=groups), **kwargs)
+        _, pullback = pnn.vjp(getattr(pnn, op), *norm_args(op, *args.values(), num_groups=groups),
+                              **norm_kwargs(op, *list(args.values())[1:]), **kwargs)
         grads = pullback(dy)._asdict()
         directional_check(f, args, grads, dy, directions=3)
         for one in fields:  # each gradient on its own as well
@@ -799,6 +818,7 @@ def test_zero_size_batch(op, layout, case):
         kwargs.update(running_mean=rm, running_var=rv)
     before = snapshot([rm, rv])
     args = norm_args(op, x, w, b, num_groups=2)
+    kwargs.update(norm_kwargs(op, w, b))
     with case.use():
         y, pullback = pnn.vjp(getattr(pnn, op), *args, **kwargs)
         grads = pullback(case.asarray(np.zeros(shape)))
@@ -859,6 +879,7 @@ def test_pullback_repeatable_out_buffers_and_none_cotangent(op, case):
     dy = case.asarray(rng.standard_normal(shape))
     args = norm_args(op, x, w, b, groups)
     kwargs = {} if op == "rms_norm" else {"activation": "silu"}
+    kwargs.update(norm_kwargs(op, w, b))
     values = dict(zip(grad_fields(op), (x, w, b)))
     buffers = {
         name: (case.asarray if name == "x" else case.param)(np.full(tuple(v.shape), 7.0)) for name, v in values.items()
@@ -884,14 +905,14 @@ def test_out_buffers_may_be_a_grads_tuple_and_buffers_outside_wrt_are_ignored():
     rng = np.random.default_rng(3)
     x, w, b = rng.standard_normal((5, 3, 4)), rng.standard_normal(3), rng.standard_normal(3)
     dy = rng.standard_normal(x.shape)
-    _, pullback = pnn.vjp(pnn.batch_norm, x, w, b)
+    _, pullback = pnn.vjp(pnn.batch_norm, x, weight=w, bias=b)
     reference = pullback(dy)
     buffers = type(reference)(np.empty_like(x), np.empty_like(w), np.empty_like(b))
     got = pullback(dy, out=buffers)
     assert all(g is buf for g, buf in zip(got, buffers))
     for g, r in zip(got, reference):
         np.testing.assert_array_equal(g, r)
-    _, pullback = pnn.vjp(pnn.batch_norm, x, w, b, wrt=("weight", "bias"))
+    _, pullback = pnn.vjp(pnn.batch_norm, x, weight=w, bias=b, wrt=("weight", "bias"))
     got = pullback(dy, out={"x": np.empty_like(x), "weight": buffers.weight})
     assert got.x is None and got.weight is buffers.weight and got.bias is not None
     np.testing.assert_array_equal(got.bias, reference.bias)
@@ -1023,12 +1044,14 @@ def _fresh() -> SimpleNamespace:
 
 def _bn(a, **kw):
     """batch_norm with running statistics (which must not change when it raises)."""
-    return pnn.batch_norm(kw.pop("x", a.x), kw.pop("w", a.w), kw.pop("b", a.b), running_mean=kw.pop("rm", a.rm),
+    return pnn.batch_norm(kw.pop("x", a.x), weight=kw.pop("w", a.w), bias=kw.pop("b", a.b),
+                          running_mean=kw.pop("rm", a.rm),
                           running_var=kw.pop("rv", a.rv), **kw)
 
 
 def _inorm(a, **kw):
-    return pnn.instance_norm(kw.pop("x", a.x), kw.pop("w", a.w), kw.pop("b", a.b), running_mean=kw.pop("rm", a.rm),
+    return pnn.instance_norm(kw.pop("x", a.x), weight=kw.pop("w", a.w), bias=kw.pop("b", a.b),
+                             running_mean=kw.pop("rm", a.rm),
                              running_var=kw.pop("rv", a.rv), **kw)
 
 
@@ -1134,7 +1157,7 @@ _ERRORS = {
         lambda a: _bn(a, x=a.x[:1, :1, :3], channel_axis=-1), ValueError, r"x of shape \(1, 1, 3\) has one value per"),
     "instance_norm-one-spatial-element": (lambda a: _inorm(a, x=a.x[:, :, :1]), ValueError,
                                           r"x of shape \(4, 3, 1\) has 1 spatial element"),
-    "batch_norm-eval-without-stats": (lambda a: pnn.batch_norm(a.x, a.w, a.b, training=False), ValueError,
+    "batch_norm-eval-without-stats": (lambda a: pnn.batch_norm(a.x, weight=a.w, bias=a.b, training=False), ValueError,
                                       r"running_mean and running_var are required when training=False"),
     "instance_norm-eval-without-stats": (lambda a: pnn.instance_norm(a.x, use_input_stats=False), ValueError,
                                          r"required when use_input_stats=False"),
@@ -1248,3 +1271,46 @@ def test_moments_cotangent_must_be_a_pair():
         pullback(np.ones((3, 5)))
     with pytest.raises(ValueError, match=r"cotangent\[1\] must have the output's shape"):
         pullback((None, np.ones(3)))
+
+
+# --------------------------------------------------------------------------- statistics input checks
+
+
+def test_moments_rejects_a_non_finite_or_non_numeric_correction():
+    x = np.ones((3, 4))
+    with pytest.raises(ValueError, match="correction"):
+        pnn.moments(x, correction=float("nan"))
+    with pytest.raises(ValueError, match="correction"):
+        pnn.moments(x, correction=float("inf"))
+    with pytest.raises(TypeError, match="correction"):
+        pnn.moments(x, correction="1")
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_moments_of_a_0d_array_are_0d_arrays(backend):
+    with pnn.use_backend(backend):
+        mean, var = pnn.moments(np.array(3.0))
+    assert isinstance(mean, np.ndarray) and isinstance(var, np.ndarray)
+    assert mean.shape == var.shape == () and float(mean) == 3.0 and float(var) == 0.0
+
+
+@pytest.mark.parametrize(("a", "b", "exc", "match"), [
+    ((None, np.zeros(4), np.zeros(4)), (3, np.zeros(4), np.zeros(4)), TypeError, "n_a"),
+    ((2, np.zeros(4), np.zeros(4)), ("3", np.zeros(4), np.zeros(4)), TypeError, "n_b"),
+    ((2, np.zeros(4), np.zeros(4)), (3, np.zeros(5), np.zeros(5)), ValueError, "broadcast"),
+    ((-1, 0.0, 0.0), (1, 0.0, 0.0), ValueError, "n_a"),
+    ((1, "m", 0.0), (1, 0.0, 0.0), TypeError, "mean_a"),
+])
+def test_merge_moments_validates_counts_and_shapes(a, b, exc, match):
+    with pytest.raises(exc, match=match):
+        pnn.merge_moments(a, b)
+
+
+def test_channels_last_data_without_channel_axis_gets_a_hint():
+    with pytest.raises(ValueError, match="channel_axis=-1"):
+        pnn.group_norm(np.ones((2, 5, 5, 4)), 1, np.ones(4), np.zeros(4))
+
+
+def test_a_call_that_does_not_bind_shows_how_to_call_the_op():
+    with pytest.raises(TypeError, match=r"call it as layer_norm\(x, weight=None, bias=None, \*, axis=-1"):
+        pnn.layer_norm(np.ones((2, 3)), np.ones(3), np.zeros(3), -1)

@@ -976,3 +976,11 @@ def test_lengths_errors(no_compute, lengths, exc, match) -> None:
     b["x"] = np.swapaxes(b["x"], 0, 1)  # batch_first: T and N from the right axes
     with pytest.raises(exc, match=match):
         _seq("gru", b, lengths=lengths, batch_first=True)
+
+
+def test_lstm_cell_with_a_torch_style_state_tuple_says_h_and_c_are_separate():
+    x, h = np.ones((2, 3)), np.ones((2, 4))
+    with pytest.raises(TypeError, match="separate arguments"):
+        pnn.lstm_cell(x, (h, h), np.ones((16, 3)), np.ones((16, 4)))
+    with pytest.raises(TypeError, match="h and c as separate arguments"):
+        pnn.lstm_cell(x, (h, h), np.ones((16, 3)), np.ones((16, 4)), np.ones(16), np.ones(16))

@@ -141,7 +141,7 @@ def _batch_norm_forward(module: Any, input: Tensor) -> Tensor:
     use_batch = module.training or (module.running_mean is None and module.running_var is None)
     keep = not module.training or module.track_running_stats
     return batch_norm(
-        input, module.weight, module.bias,
+        input, weight=module.weight, bias=module.bias,
         running_mean=module.running_mean if keep else None, running_var=module.running_var if keep else None,
         training=use_batch, momentum=factor, eps=module.eps, channel_axis=module.channel_axis,
         activation=module.activation,
@@ -262,7 +262,7 @@ class _InstanceNormMixin:
                 )
         momentum = 0.0 if self.momentum is None else self.momentum  # type: ignore[attr-defined]
         y = instance_norm(
-            x, self.weight, self.bias,  # type: ignore[attr-defined]
+            x, weight=self.weight, bias=self.bias,  # type: ignore[attr-defined]
             running_mean=self.running_mean, running_var=self.running_var,  # type: ignore[attr-defined]
             use_input_stats=self.training or not self.track_running_stats,  # type: ignore[attr-defined]
             momentum=momentum, eps=self.eps, channel_axis=self.channel_axis,  # type: ignore[attr-defined]

@@ -384,11 +384,11 @@ def test_concurrent_takes_get_distinct_blocks():
 def test_concurrent_calls_from_threads_are_safe():
     x = _data((64, 32, 40))
     w, b = np.ones(32, np.float32), np.zeros(32, np.float32)
-    expected = pnn.batch_norm(x, w, b)
+    expected = pnn.batch_norm(x, weight=w, bias=b)
 
     def body():
         for _ in range(5):
-            assert np.array_equal(pnn.batch_norm(x, w, b), expected)
+            assert np.array_equal(pnn.batch_norm(x, weight=w, bias=b), expected)
 
     run_in_threads(body)
 
