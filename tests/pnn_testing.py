@@ -307,3 +307,23 @@ def run_in_threads(body: Callable[[], None], threads: int = 4) -> None:
         t.join()
     if errors:
         raise errors[0]
+
+
+# --------------------------------------------------------------------------- norm calls
+
+#: The norms whose ``weight`` and ``bias`` are keyword-only (PyTorch's functional forms put the running
+#: statistics first, so a positional port must fail).
+KEYWORD_PARAM_NORMS = ("batch_norm", "instance_norm")
+
+
+def norm_arguments(op: str, x: Any, weight: Any, bias: Any = None,
+                   num_groups: int | None = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` of a norm call: group_norm takes ``num_groups`` second, rms_norm has no bias,
+    batch and instance norm take ``weight`` and ``bias`` by keyword."""
+    if op in KEYWORD_PARAM_NORMS:
+        return (x,), {"weight": weight, "bias": bias}
+    if op == "rms_norm":
+        return (x, weight), {}
+    if op == "group_norm":
+        return (x, num_groups, weight, bias), {}
+    return (x, weight, bias), {}

@@ -23,10 +23,11 @@ def _params(gates, layers=1):
 #: One small valid call per op (a new op adds its own; tests/api/ holds the full grids).
 SAMPLES = {
     "moments": ((_a(2, 3),), {"axis": 0}),
-    "batch_norm": ((_a(4, 3), _a(3), _a(3)), {"running_mean": np.zeros(3), "running_var": np.ones(3)}),
+    "batch_norm": ((_a(4, 3),), {"weight": _a(3), "bias": _a(3), "running_mean": np.zeros(3),
+                                 "running_var": np.ones(3)}),
     "layer_norm": ((_a(2, 3), _a(3), _a(3)), {}),
     "group_norm": ((_a(2, 4, 3), 2, _a(4), _a(4)), {}),
-    "instance_norm": ((_a(2, 3, 5), _a(3), _a(3)), {}),
+    "instance_norm": ((_a(2, 3, 5),), {"weight": _a(3), "bias": _a(3)}),
     "rms_norm": ((_a(2, 3), _a(3)), {}),
     "rnn_cell": ((_a(2, 3), _a(2, 4), _a(4, 3), _a(4, 4)), {}),
     "lstm_cell": ((_a(2, 3), _a(2, 4), _a(2, 4), _a(16, 3), _a(16, 4)), {}),

@@ -328,9 +328,9 @@ def _counts_as(count: Any, like: Any) -> Any:
 @public_op(grad_fields=_NORM_FIELDS, updates=_RUNNING)
 def batch_norm(
     x: Array,
+    *,
     weight: Array | None = None,
     bias: Array | None = None,
-    *,
     running_mean: Array | None = None,
     running_var: Array | None = None,
     training: bool = True,
@@ -676,9 +676,9 @@ def group_norm(
 @public_op(grad_fields=_NORM_FIELDS, updates=_RUNNING)
 def instance_norm(
     x: Array,
+    *,
     weight: Array | None = None,
     bias: Array | None = None,
-    *,
     running_mean: Array | None = None,
     running_var: Array | None = None,
     use_input_stats: bool = True,

@@ -1162,8 +1162,9 @@ _ERRORS = {
     "instance_norm-eval-without-stats": (lambda a: pnn.instance_norm(a.x, use_input_stats=False), ValueError,
                                          r"required when use_input_stats=False"),
     # vjp
-    "vjp-unknown-wrt": (lambda a: pnn.vjp(pnn.batch_norm, a.x, a.w, a.b, running_mean=a.rm, running_var=a.rv,
-                                          wrt=("gamma",)), ValueError, r"wrt: batch_norm has no differentiable"),
+    "vjp-unknown-wrt": (lambda a: pnn.vjp(pnn.batch_norm, a.x, weight=a.w, bias=a.b, running_mean=a.rm,
+                                          running_var=a.rv, wrt=("gamma",)),
+                        ValueError, r"wrt: batch_norm has no differentiable"),
     "vjp-wrt-running_mean": (lambda a: pnn.vjp(pnn.batch_norm, a.x, running_mean=a.rm, running_var=a.rv,
                                                wrt="running_mean"), ValueError, r"wrt.*'running_mean'"),
     "vjp-rms-wrt-bias": (lambda a: pnn.vjp(pnn.rms_norm, a.x, a.lw, wrt=("x", "bias")), ValueError,
@@ -1241,7 +1242,7 @@ def test_inference_takes_read_only_running_stats(op, case):
 )
 def test_bad_cotangents(dy, exc, match):
     a = _fresh()
-    _, pullback = pnn.vjp(pnn.batch_norm, a.x, a.w, a.b)
+    _, pullback = pnn.vjp(pnn.batch_norm, a.x, weight=a.w, bias=a.b)
     with pytest.raises(exc, match=match):
         pullback(dy)
 
@@ -1259,7 +1260,7 @@ def test_bad_cotangents(dy, exc, match):
 )
 def test_bad_out_buffers(out, exc, match):
     a = _fresh()
-    _, pullback = pnn.vjp(pnn.batch_norm, a.x, a.w, a.b)
+    _, pullback = pnn.vjp(pnn.batch_norm, a.x, weight=a.w, bias=a.b)
     with pytest.raises(exc, match=match):
         pullback(np.ones_like(a.x), out=out)
 
@@ -1309,6 +1310,15 @@ def test_merge_moments_validates_counts_and_shapes(a, b, exc, match):
 def test_channels_last_data_without_channel_axis_gets_a_hint():
     with pytest.raises(ValueError, match="channel_axis=-1"):
         pnn.group_norm(np.ones((2, 5, 5, 4)), 1, np.ones(4), np.zeros(4))
+
+
+def test_a_positional_port_of_f_batch_norm_fails_and_says_how_to_call_it():
+    """F.batch_norm(input, running_mean, running_var, weight, bias) ported positionally must not run:
+    weight and bias are keyword-only, and the error shows the call form."""
+    x, stats = np.ones((4, 3)), (np.zeros(3), np.ones(3))
+    for op in (pnn.batch_norm, pnn.instance_norm):
+        with pytest.raises(TypeError, match=r"call it as \w+_norm\(x, \*, weight=None, bias=None, running_mean=None"):
+            op(x[None], *stats)
 
 
 def test_a_call_that_does_not_bind_shows_how_to_call_the_op():

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import portable_nn as pnn
-from pnn_testing import rel_err
+from pnn_testing import norm_arguments, rel_err
 from portable_nn import dispatch
 
 EXAMPLES = int(os.environ.get("PNN_HYPOTHESIS_EXAMPLES", "20"))
@@ -210,8 +210,8 @@ def norm_problem(draw: Any, op: str) -> tuple[tuple, dict, np.ndarray, float]:
     kwargs = {"channel_axis": -1 if channels_last else 1, "activation": activation}
     if op == "batch_norm" and draw(st.booleans()):
         kwargs.update(running_mean=np.zeros(c) + 0.5, running_var=np.ones(c) * 2.0, training=False)
-    args = (x, groups, w, b) if op == "group_norm" else (x, w, b)
-    return args, kwargs, rng.standard_normal(shape), tol
+    args, params = norm_arguments(op, x, w, b, groups)
+    return args, {**params, **kwargs}, rng.standard_normal(shape), tol
 
 
 NORMS = ("layer_norm", "rms_norm", "batch_norm", "group_norm", "instance_norm")

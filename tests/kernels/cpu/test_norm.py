@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import portable_nn as pnn
-from pnn_testing import HAS_TORCH, rel_err
+from pnn_testing import HAS_TORCH, norm_arguments, rel_err
 
 pytestmark = pytest.mark.skipif(not pnn.available_backends()["numba"], reason="numba not installed")
 
@@ -69,8 +69,8 @@ def test_bitwise_deterministic(op, size):
     w, b = _data((c,), seed=2), _data((c,), seed=3)
     results = []
     for _ in range(2):
-        args = (x, 2, w, b) if op == "group_norm" else (x, w, b)
-        y, pullback = pnn.vjp(op, *args, activation="gelu")
+        args, params = norm_arguments(op, x, w, b, 2)
+        y, pullback = pnn.vjp(op, *args, activation="gelu", **params)
         results.append((y, *pullback(dy)))
     for first, second in zip(*results):
         assert np.array_equal(first, second)
@@ -90,8 +90,8 @@ def test_parallel_and_serial_paths_agree_bitwise_and_with_the_reference(op, chan
     dy = _data(x.shape, np.float64, seed=1)
     c = x.shape[-1] if op == "layer_norm" else x.shape[channel_axis]
     w, b = _data((c,), np.float64, seed=2), _data((c,), np.float64, seed=3)
-    args = (x, 2, w, b) if op == "group_norm" else (x, w, b)
-    kwargs = {} if op == "layer_norm" else {"channel_axis": channel_axis}
+    args, kwargs = norm_arguments(op, x, w, b, 2)
+    kwargs.update({} if op == "layer_norm" else {"channel_axis": channel_axis})
     results = {}
     for label, threshold in (("serial", 1 << 60), ("parallel", 0)):
         monkeypatch.setattr(norm, "PARALLEL_MIN_ELEMENTS", threshold)
@@ -124,7 +124,8 @@ def test_pipelined_single_row_groups_match_the_two_pass_kernels(op, activation, 
     dy = _data(x.shape, np.float64, seed=1)
     c = length if op in ("layer_norm", "rms_norm") else 4
     w, b = _data((c,), np.float64, seed=2), _data((c,), np.float64, seed=3)
-    args = {"group_norm": (x, 2, w, b), "rms_norm": (x, w)}.get(op, (x, w, b))
+    args, params = norm_arguments(op, x, w, b, 2)
+    kwargs = {**kwargs, **params}
     results = {}
     for label, pipelined, parallel in (("two-pass", 1 << 62, 0), ("serial", -1, 1 << 62), ("threads", -1, 0)):
         monkeypatch.setattr(norm, "PIPELINE_MIN_BYTES", pipelined)

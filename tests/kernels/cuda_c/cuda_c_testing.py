@@ -13,7 +13,7 @@ import pytest
 
 import portable_nn as pnn
 from kernels_gpu.cuda_c import _runtime as rt
-from pnn_testing import TOL, rel_err
+from pnn_testing import KEYWORD_PARAM_NORMS, TOL, rel_err
 
 FAMILIES = ("norm", "pool", "loss", "dense", "conv", "rnn")
 
@@ -141,6 +141,8 @@ def as_float64(a, dtype: str):
 def _call(op, args, kwargs, dtype="float32", mixed=False, save=True):
     """A validated Call of ``op`` on NumPy arrays of ``dtype`` (the first array; parameters float32 when
     ``mixed``), as dispatch hands it to the kernels."""
+    if op in KEYWORD_PARAM_NORMS and len(args) > 1:  # weight and bias are keyword-only there
+        args, kwargs = args[:1], {**dict(zip(("weight", "bias"), args[1:])), **kwargs}
     pdt = "float32" if mixed else dtype
     proxy = {"bfloat16": "float16"}  # NumPy has no bfloat16: validate with float16, then swap the bits in
     data = (0, 1) if op == "cross_entropy" else (0,)  # probability targets have the logits' dtype

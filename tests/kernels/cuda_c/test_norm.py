@@ -233,7 +233,7 @@ def test_gpu_norm_bitwise_deterministic(settings, monkeypatch):
     results = []
     with pnn.use_backend("cupy"):
         for _ in range(2):
-            y, pb = pnn.vjp(pnn.batch_norm, x, w, w, activation="gelu")
+            y, pb = pnn.vjp(pnn.batch_norm, x, weight=w, bias=w, activation="gelu")
             results.append([y, *pb(dy)])
     for a, b in zip(*results):
         assert bool((a == b).all())

@@ -76,6 +76,9 @@ def _norm_check(op, args, kwargs, settings, dtype="float64", param_dtype=None, b
     x = np.asarray(x).astype(data_dtype)
     rest = [np.asarray(a).astype(pd) if isinstance(a, np.ndarray) else a for a in args[1:]]
     kw = {k: (np.asarray(v).astype(pd) if isinstance(v, np.ndarray) else v) for k, v in kwargs.items()}
+    if op in ("batch_norm", "instance_norm"):  # weight and bias are keyword-only there
+        kw.update(zip(("weight", "bias"), rest))
+        rest = []
     if "running_mean" in kw:
         kw["return_stats"] = True
     kcall = pnn.explain(fn, x, *rest, **kw).call.replace(save=True)
