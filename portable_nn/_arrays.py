@@ -174,9 +174,12 @@ def is_writeable(x: Any) -> bool:
 
 
 def is_c_contiguous(x: Any) -> bool:
-    """Whether ``x`` is C-contiguous (true for libraries that hide strides)."""
+    """Whether a kernel can take ``x`` as it is: C-contiguous (true for libraries that hide strides)
+    and, for NumPy, in the machine's byte order (Numba cannot type a ``'>f4'`` array)."""
     fam = family(x)
-    if fam in ("numpy", "cupy"):
+    if fam == "numpy":
+        return bool(x.flags.c_contiguous) and x.dtype.isnative
+    if fam == "cupy":
         return bool(x.flags.c_contiguous)
     if fam == "torch":
         return bool(x.is_contiguous())
@@ -249,10 +252,10 @@ def cuda_index(device: str) -> int:
 
 
 def ascontiguous(x: Any) -> Any:
-    """A C-contiguous version of ``x`` (a copy only when needed)."""
+    """A C-contiguous version of ``x`` in native byte order (a copy only when needed)."""
     fam = family(x)
     if fam == "numpy":
-        return np.ascontiguousarray(x)
+        return np.ascontiguousarray(x, dtype=x.dtype if x.dtype.isnative else x.dtype.newbyteorder("="))
     if fam == "torch":
         return x.contiguous()
     if fam == "cupy":

@@ -147,7 +147,7 @@ def capabilities() -> list[dict[str, str]]:
             s = impl.supports
             notes = []
             if s.contiguous:
-                notes.append("copies strided input to C order")
+                notes.append("copies strided or byte-swapped input to native C order")
             if s.native == "numpy":
                 notes.append("torch CPU tensors zero-copy")
             elif s.native == "cupy":

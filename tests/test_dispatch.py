@@ -332,3 +332,21 @@ def test_kernel_constants_come_from_one_dependency_free_module():
     assert not offending, offending
     reference = (root / "portable_nn" / "reference" / "activations.py").read_text()
     assert "if TYPE_CHECKING:" in reference and "\nfrom ..api" not in reference
+
+
+def test_byte_swapped_numpy_arrays_are_copied_to_native_order_visibly():
+    """Numba cannot type a '>f4' array: a kernel needing C order gets a native copy, and explain says so."""
+    rng = np.random.default_rng(5)
+    x, w = rng.standard_normal((4, 8)), rng.standard_normal(8)
+    swapped = x.astype(x.dtype.newbyteorder()), w.astype(w.dtype.newbyteorder())
+    assert not swapped[0].dtype.isnative
+    before = [a.copy() for a in swapped]
+    with pnn.use_backend("numba"):
+        report = pnn.explain(pnn.layer_norm, *swapped)
+        assert report.copies == ["x", "weight"]
+        y, pullback = pnn.vjp(pnn.layer_norm, *swapped)
+        grads = pullback(np.ones_like(y))
+    expected, ref_pullback = pnn.vjp(pnn.layer_norm, x, w)
+    assert np.array_equal(y, expected)
+    assert np.allclose(grads.weight, ref_pullback(np.ones_like(y)).weight, rtol=1e-12)
+    assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(swapped, before))  # inputs untouched
