@@ -76,7 +76,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from portable_nn.kernel_codes import GATES, GRU, GRU_ORIGINAL, LSTM, RNN_RELU, RNN_TANH
-from portable_nn.kernel_plans import caller_layout, time_major
+from portable_nn.kernel_plans import caller_layout, time_major, without_padding
 
 from . import _runtime
 from ._blas import parallel_gemm
@@ -1058,6 +1058,7 @@ def sequence_forward(call):
     X = _plain(time_major(np, x, call.batch_first, dtype), dtype)
     steps, n = X.shape[0], X.shape[1]
     lengths = _lengths(call.lengths, steps, n)
+    X = _plain(without_padding(np, X, call.lengths), dtype)
     h_n = _initial(call.arrays.get("h0"), (layers * dirs, n, hs), dtype)
     c_n = _initial(call.arrays.get("c0"), (layers * dirs, n, hs), dtype) if code == LSTM else None
     work = _Workspace(code, steps, n, hs, dtype)

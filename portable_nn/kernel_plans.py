@@ -219,6 +219,21 @@ def time_major(xp: Any, a: Any, batch_first: bool, dtype: Any = None) -> Any:
     return xp.ascontiguousarray(xp.swapaxes(a, 0, 1) if batch_first else a, dtype=dtype)
 
 
+def without_padding(xp: Any, X: Any, lengths: tuple[int, ...] | None) -> Any:
+    """Time-major ``X`` ``(T, N, F)`` with every step past a sequence's end zeroed (a new array), or
+    ``X`` itself when no step is padding.
+
+    PyTorch's packed sequences never read padding; the kernels project every step's input in one
+    GEMM and sum the w_ih gradient over every step, so a NaN or inf there would reach them (0 · NaN).
+    Used by every kernel package; costs nothing without padding.
+    """
+    steps = X.shape[0]
+    if lengths is None or min(lengths, default=steps) >= steps:
+        return X
+    keep = np.arange(steps)[:, None] < np.asarray(lengths)[None, :]
+    return xp.where(xp.asarray(keep[..., None]), X, xp.zeros((), dtype=X.dtype))
+
+
 def caller_layout(xp: Any, a: Any, batch_first: bool) -> Any:
     """A time-major ``(T, N, F)`` result in the caller's layout (C-contiguous when swapped back)."""
     return xp.ascontiguousarray(xp.swapaxes(a, 0, 1)) if batch_first else a

@@ -42,7 +42,7 @@ from __future__ import annotations
 from typing import Any
 
 from portable_nn.kernel_codes import CELL_FAMILIES, GATES
-from portable_nn.kernel_plans import caller_layout, time_major
+from portable_nn.kernel_plans import caller_layout, time_major, without_padding
 
 from . import _runtime as rt
 
@@ -264,7 +264,7 @@ def sequence_forward(call: Any) -> tuple[tuple[Any, ...], Any]:
     dtype = x.dtype
     kind, layers, dirs, hs = call.kind, int(call.num_layers), int(call.num_directions), int(call.hidden_size)
     original = kind == "gru" and not call.reset_after
-    X = time_major(xp, x, call.batch_first, dtype)
+    X = without_padding(xp, time_major(xp, x, call.batch_first, dtype), call.lengths)
     steps, n = int(X.shape[0]), int(X.shape[1])
     lengths = None if call.lengths is None else xp.asarray(call.lengths, dtype=xp.int64)
     h0, c0 = call.arrays.get("h0"), call.arrays.get("c0")

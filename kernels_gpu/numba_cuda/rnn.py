@@ -61,7 +61,7 @@ import numpy as np
 from numba import cuda, float64
 
 from portable_nn.kernel_codes import GATES, GRU, GRU_ORIGINAL, LSTM, RNN_RELU, RNN_TANH
-from portable_nn.kernel_plans import time_major
+from portable_nn.kernel_plans import time_major, without_padding
 
 from . import _runtime as rt
 from ._runtime import cast_as, device, kernel
@@ -648,7 +648,7 @@ def sequence_forward(call):
     xp = rt.array_module(x)
     dtype = x.dtype
     layers, dirs, hs = int(call.num_layers), int(call.num_directions), int(call.hidden_size)
-    X = time_major(xp, x, call.batch_first)
+    X = without_padding(xp, time_major(xp, x, call.batch_first), call.lengths)
     steps, n = int(X.shape[0]), int(X.shape[1])
     lengths = xp.asarray(np.full(n, steps, np.int64) if call.lengths is None else np.asarray(call.lengths, np.int64))
     h0, c0 = call.arrays.get("h0"), call.arrays.get("c0")

@@ -518,6 +518,9 @@ def _sequence_forward(call: Call) -> tuple[tuple[Any, ...], Any]:
     steps, n = int(X.shape[0]), int(X.shape[1])
     dev = device(X)
     mask = _mask(xp, call, steps, n, dev)
+    if mask is not None:
+        # Padding is never read (PyTorch's packed sequences): a NaN there must not reach any gradient.
+        X = xp.where(mask, X, xp.zeros_like(X))
 
     def initial(name: str) -> Any:
         value = call.arrays.get(name)

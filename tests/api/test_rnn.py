@@ -984,3 +984,24 @@ def test_lstm_cell_with_a_torch_style_state_tuple_says_h_and_c_are_separate():
         pnn.lstm_cell(x, (h, h), np.ones((16, 3)), np.ones((16, 4)))
     with pytest.raises(TypeError, match="h and c as separate arguments"):
         pnn.lstm_cell(x, (h, h), np.ones((16, 3)), np.ones((16, 4)), np.ones(16), np.ones(16))
+
+
+@pytest.mark.parametrize("case", cases("lstm"))
+def test_padding_past_lengths_is_never_read(case):
+    """NaN in x past each sequence's end reaches no output and no gradient (PyTorch's packed sequences)."""
+    rng = np.random.default_rng(4)
+    steps, n, features, hidden = 5, 3, 4, 3
+    x = rng.standard_normal((steps, n, features))
+    lengths = (5, 2, 3)
+    for b, length in enumerate(lengths):
+        x[length:, b] = np.nan
+    params = [tuple(case.param(rng.standard_normal(s) * 0.5) for s in
+                    ((4 * hidden, features), (4 * hidden, hidden), (4 * hidden,), (4 * hidden,)))]
+    with case.use():
+        (y, (h, c)), pullback = pnn.vjp(pnn.lstm, case.asarray(x), params, lengths=lengths)
+        grads = pullback((case.asarray(np.ones(tuple(y.shape))), (case.asarray(np.ones(tuple(h.shape))),
+                                                                  case.asarray(np.ones(tuple(c.shape))))))
+    values = [y, h, c, grads.x, *grads.params[0]]
+    assert not any(np.isnan(to_numpy(v).astype(np.float64)).any() for v in values if v is not None)
+    for b, length in enumerate(lengths):
+        assert np.all(to_numpy(grads.x)[length:, b] == 0)

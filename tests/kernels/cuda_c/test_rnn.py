@@ -361,3 +361,19 @@ def test_emulated_cells(spec, monkeypatch):
 def test_gpu_cells_match_reference(spec, dtype):
     gpu_compare(spec, dtype, False, tol_factor=2.0)
 
+
+
+@needs_emulator
+def test_emulated_padding_past_lengths_is_never_read(monkeypatch):
+    """NaN past each sequence's end reaches no output and no gradient (the reference agrees: it zeroes it too)."""
+    monkeypatch.setattr(crnn, "BLOCK", 32)
+    _, op, args, kwargs = next(s for s in SPECS if s[0] == "lstm-2layer-bidir-lengths")
+    x = np.array(args[0])
+    for b, length in enumerate(kwargs["lengths"]):
+        x[length:, b] = np.nan
+    # The emulator matches the reference, NaN positions included; the reference has none:
+    with pnn.use_backend("reference"):
+        outputs = pnn.lstm(x, *args[1:], **kwargs)
+    assert all(np.isfinite(o).all() for o in (outputs[0], *outputs[1]))
+    call = emulated_sequence(("nan-padding", op, (x, *args[1:]), kwargs), "float64")
+    assert call.lengths is not None
