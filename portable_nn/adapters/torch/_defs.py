@@ -360,12 +360,9 @@ def definition(spec: OpSpec) -> _OpDef:
         spec.name, spec.function, args, n_main + len(spec.updates), n_main, spec.grad_fields, to_pnn,
         _faker(spec, decode, flatten), flatten=flatten, nest=lambda cts: nest_outputs(spec, list(cts)),
         field_of=_fields(spec), grad_of=_grad_of, available=_available,
-        # Statistics the forward updates in place must not be saved (autograd would see them modified).
+        # Statistics the forward updated in place must not be saved (autograd would see them modified);
+        # ``updated`` is false for ops that update nothing.
         unsaved=lambda bound, outputs: spec.updates if updated(spec, bound, outputs) else (),
-    ) if spec.updates else _OpDef(
-        spec.name, spec.function, args, n_main, n_main, spec.grad_fields, to_pnn, _faker(spec, decode, flatten),
-        flatten=flatten, nest=lambda cts: nest_outputs(spec, list(cts)), field_of=_fields(spec),
-        grad_of=_grad_of, available=_available,
     )
 
 

@@ -7,17 +7,12 @@ from typing import Any
 from torch import Tensor, nn
 
 from .functional import avg_pool, max_pool
+from .modules import _check_channel_axis
 
 
 def _per_axis(value: Any, d: int) -> tuple[int, ...]:
     """``torch.nn``'s int-or-tuple geometry as a tuple of ``d`` ints (so unbatched input keeps its meaning)."""
     return tuple(value) if isinstance(value, (tuple, list)) else (value,) * d
-
-
-def _check_channel_axis(channel_axis: Any) -> int:
-    if channel_axis not in (1, -1):
-        raise ValueError(f"channel_axis must be 1 (channels first) or -1 (channels last), got {channel_axis!r}")
-    return int(channel_axis)
 
 
 class _MaxPoolMixin:

@@ -19,12 +19,9 @@ F = torch.nn.functional
 
 pytestmark = pytest.mark.skipif(not pnn.available_backends()["aten"], reason="aten backend unavailable")
 
-GATES = {"rnn": 1, "lstm": 4, "gru": 3}
 
-ACTS = ["identity", "relu", "sigmoid", "tanh", "gelu", "gelu_tanh", "silu", "leaky_relu", ("leaky_relu", -0.3),
-        ("leaky_relu", 0.0)]
 
-from .aten_testing import CONV_GEOMS, _conv_problem, _leaves, _seq_problem, _t  # noqa: E402
+from .aten_testing import CONV_GEOMS, GATES, _conv_problem, _leaves, _seq_problem, _t  # noqa: E402
 
 
 def test_probing_does_not_import_torch():

@@ -15,7 +15,6 @@ F = torch.nn.functional
 
 pytestmark = pytest.mark.skipif(not pnn.available_backends()["aten"], reason="aten backend unavailable")
 
-GATES = {"rnn": 1, "lstm": 4, "gru": 3}
 
 ACTS = ["identity", "relu", "sigmoid", "tanh", "gelu", "gelu_tanh", "silu", "leaky_relu", ("leaky_relu", -0.3),
         ("leaky_relu", 0.0)]

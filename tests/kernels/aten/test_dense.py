@@ -10,14 +10,9 @@ from portable_nn.api._common import spec_of
 
 torch = pytest.importorskip("torch")
 
-F = torch.nn.functional
 
 pytestmark = pytest.mark.skipif(not pnn.available_backends()["aten"], reason="aten backend unavailable")
 
-GATES = {"rnn": 1, "lstm": 4, "gru": 3}
-
-ACTS = ["identity", "relu", "sigmoid", "tanh", "gelu", "gelu_tanh", "silu", "leaky_relu", ("leaky_relu", -0.3),
-        ("leaky_relu", 0.0)]
 
 from .aten_testing import _assert_agree, _both, _t  # noqa: E402
 

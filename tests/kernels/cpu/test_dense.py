@@ -13,21 +13,7 @@ pytest.importorskip("numba")
 pytestmark = pytest.mark.skipif(not pnn.available_backends()["numba"], reason="numba not installed")
 
 
-
-
 from kernels_cpu import dense as kd  # noqa: E402
-
-#: Small geometries that reach every branch of the canonical form: 1-D/3-D, strides, dilation,
-#: asymmetric padding, groups (depthwise with a multiplier), a 1x1 kernel, unbatched input.
-GEOMS = {
-    "2d-s2-d2-g2-pad": dict(x=(3, 4, 7, 6), w=(6, 2, 3, 2), stride=2, padding=(1, (0, 2)), dilation=2, groups=2),
-    "2d-same-depthwise": dict(x=(2, 3, 5, 6), w=(6, 1, 3, 3), stride=1, padding="same", dilation=1, groups=3),
-    "1d-k4-s3": dict(x=(3, 2, 11), w=(3, 2, 4), stride=3, padding=((2, 1),), dilation=1, groups=1),
-    "3d-mixed": dict(x=(2, 2, 4, 5, 4), w=(4, 1, 2, 3, 2), stride=(1, 2, 1), padding=(1, 0, (0, 1)),
-                     dilation=(2, 1, 1), groups=2),
-    "2d-1x1-unbatched": dict(x=(3, 5, 4), w=(2, 3, 1, 1), stride=1, padding=0, dilation=1, groups=1),
-    "lenet-like": dict(x=(5, 3, 9, 9), w=(4, 3, 5, 5), stride=1, padding=0, dilation=1, groups=1),
-}
 
 from .conv_dense_testing import _run, path  # noqa: E402, F401
 

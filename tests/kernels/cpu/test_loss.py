@@ -9,7 +9,6 @@ import portable_nn as pnn
 
 pytestmark = pytest.mark.skipif(not pnn.available_backends()["numba"], reason="numba not installed")
 
-pool = pytest.importorskip("kernels_cpu.pool")
 
 loss = pytest.importorskip("kernels_cpu.loss")
 

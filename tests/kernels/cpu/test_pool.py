@@ -12,7 +12,6 @@ pytestmark = pytest.mark.skipif(not pnn.available_backends()["numba"], reason="n
 
 pool = pytest.importorskip("kernels_cpu.pool")
 
-loss = pytest.importorskip("kernels_cpu.loss")
 
 from .pool_loss_testing import _assert_rel, _check_path, _run, path  # noqa: E402, F401
 

@@ -15,12 +15,7 @@ import portable_nn as pnn
 from kernels_gpu.cuda_c import _runtime as rt
 from pnn_testing import KEYWORD_PARAM_NORMS, TOL, rel_err
 
-FAMILIES = ("norm", "pool", "loss", "dense", "conv", "rnn")
-
-ARCHS = ("sm_80", "sm_90")
-
 HAS_NVRTC = importlib.util.find_spec("cuda") is not None and importlib.util.find_spec("cuda.bindings") is not None
-
 
 
 def _family(name: str) -> Any:

@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-
 import numpy as np
 import pytest
 
-FAMILIES = ("norm", "pool", "loss", "dense", "conv", "rnn")
+from kernels_gpu.cuda_c import conv as cconv
+from kernels_gpu.cuda_c import dense as cdense
 
-ARCHS = ("sm_80", "sm_90")
-
-HAS_NVRTC = importlib.util.find_spec("cuda") is not None and importlib.util.find_spec("cuda.bindings") is not None
-
-from kernels_gpu.cuda_c import conv as cconv  # noqa: E402
-from kernels_gpu.cuda_c import dense as cdense  # noqa: E402
-
-from .cuda_c_testing import GEMM_DTYPES, _call, _rng, emulated_case, gpu_compare, needs_emulator  # noqa: E402
+from .cuda_c_testing import GEMM_DTYPES, _call, _rng, emulated_case, gpu_compare, needs_emulator
 
 
 def dense_specs():

@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-
 import pytest
 
-FAMILIES = ("norm", "pool", "loss", "dense", "conv", "rnn")
+from kernels_gpu.cuda_c import loss as closs
 
-ARCHS = ("sm_80", "sm_90")
-
-HAS_NVRTC = importlib.util.find_spec("cuda") is not None and importlib.util.find_spec("cuda.bindings") is not None
-
-from kernels_gpu.cuda_c import loss as closs  # noqa: E402
-
-from .cuda_c_testing import ALL_DTYPES, LOSS_SPECS, emulated_case, needs_emulator  # noqa: E402
+from .cuda_c_testing import ALL_DTYPES, LOSS_SPECS, emulated_case, needs_emulator
 
 
 @needs_emulator

@@ -3,25 +3,15 @@ emulator against the reference for every dtype and path, and (marked gpu) the de
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-
 import numpy as np
 import pytest
 
 import portable_nn as pnn
 from kernels_gpu.cuda_c import _runtime as rt
+from kernels_gpu.cuda_c import norm as cnorm
 from pnn_testing import TOL, rel_err
 
-FAMILIES = ("norm", "pool", "loss", "dense", "conv", "rnn")
-
-ARCHS = ("sm_80", "sm_90")
-
-HAS_NVRTC = importlib.util.find_spec("cuda") is not None and importlib.util.find_spec("cuda.bindings") is not None
-
-from kernels_gpu.cuda_c import norm as cnorm  # noqa: E402
-
-from .cuda_c_testing import (  # noqa: E402
+from .cuda_c_testing import (
     ALL_DTYPES,
     _call,
     _data_like,

@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-
 import numpy as np
 import pytest
 
-FAMILIES = ("norm", "pool", "loss", "dense", "conv", "rnn")
+from kernels_gpu.cuda_c import pool as cpool
 
-ARCHS = ("sm_80", "sm_90")
-
-HAS_NVRTC = importlib.util.find_spec("cuda") is not None and importlib.util.find_spec("cuda.bindings") is not None
-
-from kernels_gpu.cuda_c import pool as cpool  # noqa: E402
-
-from .cuda_c_testing import ALL_DTYPES, LOSS_SPECS, _rng, emulated_case, gpu_compare, needs_emulator  # noqa: E402
+from .cuda_c_testing import ALL_DTYPES, LOSS_SPECS, _rng, emulated_case, gpu_compare, needs_emulator
 
 
 def pool_specs():

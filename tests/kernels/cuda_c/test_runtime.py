@@ -3,8 +3,6 @@ signatures, the package imports no CuPy, codes shared with Python agree, torch t
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import re
 import subprocess
 import sys
@@ -19,11 +17,10 @@ FAMILIES = ("norm", "pool", "loss", "dense", "conv", "rnn")
 
 ARCHS = ("sm_80", "sm_90")
 
-HAS_NVRTC = importlib.util.find_spec("cuda") is not None and importlib.util.find_spec("cuda.bindings") is not None
 
 from kernels_gpu.cuda_c import norm as cnorm  # noqa: E402
 
-from .cuda_c_testing import _call, _family, _rng, compiled, recording  # noqa: E402
+from .cuda_c_testing import HAS_NVRTC, _call, _family, _rng, compiled, recording  # noqa: E402
 
 
 def _needs_compiler():

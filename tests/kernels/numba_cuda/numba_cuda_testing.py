@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,21 +14,27 @@ import pytest
 
 import portable_nn as pnn
 
-HERE = Path(__file__).resolve().parent
-
-from . import _sim_checks as sim  # noqa: E402
+from . import _sim_checks as sim
 
 HAS_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
-
 needs_numba_cuda = pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is not installed")
+HERE = Path(__file__).resolve().parent
 
-NORMS = ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm")
 
-#: Ops the backend declares (the others fall back under auto, raise when forced).
-POOLS = ("max_pool", "avg_pool")
-
-DECLARED = ("moments", *NORMS, "log_softmax", *POOLS, "cross_entropy", "dense", "conv")
-
+def run_simulator(script: str) -> dict[str, dict]:
+    """Run ``script`` (a simulator checks file beside this one) under ``NUMBA_ENABLE_CUDASIM=1`` in a
+    subprocess; its results by case id (each a JSON line on stdout)."""
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
+    proc = subprocess.run([sys.executable, str(HERE / script)], capture_output=True, text=True, env=env,
+                          cwd=HERE.parents[2], timeout=900)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            results[r["id"]] = r
+    if proc.returncode != 0 or not results:
+        pytest.fail(f"simulator run failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return results
 
 
 def _gpu_vjp_check(fn, gargs, hargs, kw, tol, wrt=None):

@@ -3,29 +3,15 @@ against the reference."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 import portable_nn as pnn
 
-HERE = Path(__file__).resolve().parent
-
-from . import _sim_checks as sim  # noqa: E402
-
-HAS_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
-
-needs_numba_cuda = pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is not installed")
+from . import _sim_checks as sim
+from .numba_cuda_testing import HAS_NUMBA_CUDA
 
 NORMS = ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm")
-
-#: Ops the backend declares (the others fall back under auto, raise when forced).
-POOLS = ("max_pool", "avg_pool")
-
-DECLARED = ("moments", *NORMS, "log_softmax", *POOLS, "cross_entropy", "dense", "conv")
-
 
 
 def test_moments_plan_and_paths_without_a_gpu():

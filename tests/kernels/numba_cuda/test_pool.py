@@ -2,29 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 import portable_nn as pnn
 
-HERE = Path(__file__).resolve().parent
-
-
-HAS_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
-
-needs_numba_cuda = pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is not installed")
-
-NORMS = ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm")
-
-#: Ops the backend declares (the others fall back under auto, raise when forced).
-POOLS = ("max_pool", "avg_pool")
-
-DECLARED = ("moments", *NORMS, "log_softmax", *POOLS, "cross_entropy", "dense", "conv")
-
-from .numba_cuda_testing import _gpu_vjp_check  # noqa: E402
+from .numba_cuda_testing import _gpu_vjp_check
 
 
 @pytest.mark.gpu

@@ -3,12 +3,9 @@ whole forward/backward suite in Numba's CUDA simulator against the reference."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,14 +13,8 @@ import pytest
 import portable_nn as pnn
 from portable_nn import dispatch
 
-HERE = Path(__file__).resolve().parent
-
-from . import _sim_checks as sim  # noqa: E402
-from .numba_cuda_testing import target_device  # noqa: E402, F401  (fixture)
-
-HAS_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
-
-needs_numba_cuda = pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is not installed")
+from . import _sim_checks as sim
+from .numba_cuda_testing import HAS_NUMBA_CUDA, HERE, needs_numba_cuda, run_simulator, target_device  # noqa: F401  (fixture)
 
 NORMS = ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm")
 
@@ -121,17 +112,7 @@ def test_every_kernel_is_declared_with_signatures():
 
 @pytest.fixture(scope="module")
 def simulator_results():
-    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
-    proc = subprocess.run([sys.executable, str(HERE / "_sim_checks.py")], capture_output=True, text=True,
-                          env=env, cwd=HERE.parents[2], timeout=900)
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            results[r["id"]] = r
-    if proc.returncode != 0 or not results:
-        pytest.fail(f"simulator run failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return results
+    return run_simulator("_sim_checks.py")
 
 
 @needs_numba_cuda
