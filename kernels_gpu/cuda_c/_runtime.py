@@ -242,6 +242,39 @@ def array_module(array: Any) -> Any:
     return cupy
 
 
+def address(array: Any) -> int:
+    """The device (CuPy) or host (NumPy, the emulator's) address of an array's first element."""
+    data = getattr(array, "data", None)
+    pointer = getattr(data, "ptr", None)
+    return int(pointer) if pointer is not None else int(array.ctypes.data)
+
+
+def aligned(*arrays: Any, to: int = 16) -> bool:
+    """Whether every given array (None skipped) starts on a ``to``-byte boundary (vector loads)."""
+    return all(a is None or address(a) % to == 0 for a in arrays)
+
+
+def max_threads(family: str, name: str) -> int:
+    """The most threads a block of kernel ``name`` may have on the current device (its registers
+    decide: the float64 rows backward cannot take 1024, seen on an H200); 1024 without a device."""
+    if _launcher is not _cupy_launch:  # the emulator and the launch recorder
+        return 1024
+    try:
+        return int(function(family, name).max_threads_per_block)
+    except Exception:  # no CuPy or no device: the launch-planning tests
+        return 1024
+
+
+def multiprocessors() -> int:
+    """Multiprocessors of the current CuPy device (132 when there is none: the emulator, the recorder)."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+    except Exception:  # no CuPy or no device: the launch-planning tests
+        return 132
+
+
 def bf16_bits_to_float(xp: Any, bits: Any) -> Any:
     """bfloat16 values stored as ``uint16`` bits, as float32."""
     return (bits.astype(xp.uint32) << 16).view(xp.float32)

@@ -163,44 +163,9 @@ template <class A> __device__ __forceinline__ A act_grad(A z, int code, A slope)
 
 // --------------------------------------------------------------------------- block reductions
 //
-// Tree reductions in shared memory, then warp shuffles for the last 32 lanes.  The order of
-// additions depends only on blockDim, so results are bitwise reproducible (no atomics).
-// blockDim.x must be a power of two >= 32 (the launchers check it).  `sh` holds 2 * blockDim.x
-// values of A; the totals are returned to every thread.
-
-template <class A> __device__ __forceinline__ A warp_sum(A v) {
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
-    return v;
-}
-
-template <class A> __device__ void block_sum2(A& a, A& b, A* sh) {
-    const int t = threadIdx.x;
-    const int n = blockDim.x;
-    A* sa = sh;
-    A* sb = sh + n;
-    sa[t] = a;
-    sb[t] = b;
-    __syncthreads();
-    for (int s = n >> 1; s >= 32; s >>= 1) {
-        if (t < s) {
-            sa[t] += sa[t + s];
-            sb[t] += sb[t + s];
-        }
-        __syncthreads();
-    }
-    if (t < 32) {
-        A va = warp_sum(sa[t]);
-        A vb = warp_sum(sb[t]);
-        if (t == 0) {
-            sa[0] = va;
-            sb[0] = vb;
-        }
-    }
-    __syncthreads();
-    a = sa[0];
-    b = sb[0];
-    __syncthreads();  // sh may be reused right away
-}
+// The order of additions depends only on the block's shape, so results are bitwise reproducible
+// (no atomics).  Launchers give `sh` at least 2 * blockDim.x values of A (block_reduce_pair needs
+// 64) and check that blockDim.x is a power of two >= 32.
 
 // Sum of (a, b) over threadIdx.y of a 2-D block (blockDim.y a power of two), per threadIdx.x.
 // Only threads with threadIdx.y == 0 get the totals.  `sh` holds 2 * blockDim.x * blockDim.y values.
@@ -221,6 +186,50 @@ template <class A> __device__ void column_sum2(A& a, A& b, A* sh) {
     }
     a = sa[tx];
     b = sb[tx];
+}
+
+// Reduce the pair (a, b) over the block with merge(a, b, a2, b2) (associative; (ia, ib) its
+// identity): warp shuffles, then one warp over the warps' pairs, in a fixed order (reproducible);
+// every thread gets the result.  blockDim.x a multiple of 32, at most 1024; `sh` holds 64 values.
+// Two barriers instead of block_sum2's log2(blockDim) (the row kernels reduce once per row).
+template <class A, class Merge> __device__ void block_reduce_pair(A& a, A& b, A* sh, A ia, A ib, Merge merge) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int round = 0; round < 2; ++round) {
+        for (int off = 16; off > 0; off >>= 1) {
+            const A a2 = __shfl_down_sync(0xffffffffu, a, off);
+            const A b2 = __shfl_down_sync(0xffffffffu, b, off);
+            if (lane + off < 32) merge(a, b, a2, b2);
+        }
+        if (round == 0) {
+            if (lane == 0) {
+                sh[wid] = a;
+                sh[32 + wid] = b;
+            }
+            __syncthreads();
+            if (wid != 0) break;
+            a = lane < warps ? sh[lane] : ia;
+            b = lane < warps ? sh[32 + lane] : ib;
+        } else if (lane == 0) {
+            sh[0] = a;
+            sh[32] = b;
+        }
+    }
+    __syncthreads();
+    a = sh[0];
+    b = sh[32];
+    __syncthreads();  // sh may be reused right away
+}
+
+struct pnn_sum_pair {
+    template <class A> __device__ __forceinline__ void operator()(A& a, A& b, A a2, A b2) const {
+        a += a2;
+        b += b2;
+    }
+};
+
+// Σ a and Σ b over the block (block_reduce_pair's shapes and cost).
+template <class A> __device__ __forceinline__ void block_sum2(A& a, A& b, A* sh) {
+    block_reduce_pair(a, b, sh, A(0), A(0), pnn_sum_pair());
 }
 
 template <class A> __device__ __forceinline__ A* shared_as() {

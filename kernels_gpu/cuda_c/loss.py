@@ -1,8 +1,8 @@
 """Launchers of the CUDA C softmax-loss kernels (``loss.cu``): ``log_softmax`` and ``cross_entropy``.
 
 The class axis views the (C-contiguous) input as ``(outer, C, inner)``.  ``inner == 1`` runs the
-``rows`` kernels (a block per row, block reductions); otherwise the ``cols`` kernels (a thread
-per position, adjacent threads on adjacent memory).  log_softmax keeps its output for the
+``rows`` kernels (a block per row, block reductions; cross_entropy's too); otherwise the ``cols``
+kernels (a thread per position, adjacent threads on adjacent memory).  log_softmax keeps its output for the
 backward (``dx = dy − exp(y) Σ dy``).  cross_entropy keeps, per position, the log-sum-exp and the
 target-weight sum, and the mean's denominator (a one-element device array: no host sync);
 its backward is one elementwise kernel writing the logits' and (probability targets) the
@@ -28,7 +28,7 @@ REDUCE_BLOCK = 1024
 _DTYPES = ("float", "double", "pnn_half", "pnn_bf16")
 rt.declare(FAMILY, [f"{k}<{t}>" for k in ("lsm_rows_fwd", "lsm_cols_fwd", "lsm_rows_bwd", "lsm_cols_bwd", "ce_reduce")
                     for t in _DTYPES]
-           + [f"{k}<{t}, {p}>" for k in ("ce_fwd", "ce_bwd") for t, p in rt.TYPE_PAIRS])
+           + [f"{k}<{t}, {p}>" for k in ("ce_fwd", "ce_bwd", "ce_rows_fwd", "ce_rows_bwd") for t, p in rt.TYPE_PAIRS])
 
 _REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 
@@ -101,15 +101,21 @@ def cross_entropy_forward(call: Any) -> tuple[tuple[Any], Any]:
     probs = call.target if probabilities else None
     loss = xp.empty(positions, acc)
     wsum = xp.empty(positions, acc)
-    lse = xp.empty(positions, acc)
+    lse = xp.empty(2 * positions, acc)  # every max, then every log Σ exp(z − max)
     total = xp.empty(positions, acc)
     reduction = _REDUCTIONS[call.reduction]
     out_shape = shape[: call.axis] + shape[call.axis + 1:]
     y = xp.empty(out_shape if reduction == 0 else (), z.dtype)
-    rt.launch(FAMILY, f"ce_fwd<{types[0]}, {types[1]}>", _grid(positions), (BLOCK,),
-              [z, rt.ptr(labels), rt.ptr(probs), rt.ptr(call.weight), y if reduction == 0 else rt.NULL, loss, wsum,
-               lse, total, rt.i64(outer), rt.i64(classes), rt.i64(inner), rt.i64(call.ignore_index),
-               rt.f64(call.label_smoothing), rt.i32(probabilities)])
+    outputs = [z, rt.ptr(labels), rt.ptr(probs), rt.ptr(call.weight), y if reduction == 0 else rt.NULL, loss, wsum,
+               lse, total]
+    options = [rt.i64(call.ignore_index), rt.f64(call.label_smoothing), rt.i32(probabilities)]
+    if inner == 1 and classes > 0:
+        block = rt.check_block(BLOCK, "BLOCK")
+        rt.launch(FAMILY, f"ce_rows_fwd<{types[0]}, {types[1]}>", (min(outer, MAX_BLOCKS),), (block,),
+                  [*outputs, rt.i64(outer), rt.i64(classes), *options], _shared(block, call.dtype))
+    else:
+        rt.launch(FAMILY, f"ce_fwd<{types[0]}, {types[1]}>", _grid(positions), (BLOCK,),
+                  [*outputs, rt.i64(outer), rt.i64(classes), rt.i64(inner), *options])
     den = xp.ones(1, acc)
     if reduction:
         block = rt.check_block(REDUCE_BLOCK, "REDUCE_BLOCK")
@@ -142,11 +148,15 @@ def cross_entropy_backward(residuals: Any, cotangents: Any, needs: Any, out: Any
 
     dz = buffer("logits", z) if need_z else None
     dt = buffer("target", probs) if need_t else None
-    if need_z or need_t:
+    arrays = [z, rt.ptr(labels), rt.ptr(probs), rt.ptr(call.weight), g, den, lse, total, rt.ptr(dz), rt.ptr(dt)]
+    options = [rt.i64(call.ignore_index), rt.f64(call.label_smoothing), rt.i32(probs is not None),
+               rt.i32(_REDUCTIONS[call.reduction])]
+    if (need_z or need_t) and inner == 1:
+        rt.launch(FAMILY, f"ce_rows_bwd<{types[0]}, {types[1]}>", (min(outer, MAX_BLOCKS),), (BLOCK,),
+                  [*arrays, rt.i64(outer), rt.i64(classes), *options])
+    elif need_z or need_t:
         rt.launch(FAMILY, f"ce_bwd<{types[0]}, {types[1]}>", _grid(z.size), (BLOCK,),
-                  [z, rt.ptr(labels), rt.ptr(probs), rt.ptr(call.weight), g, den, lse, total, rt.ptr(dz), rt.ptr(dt),
-                   rt.i64(outer), rt.i64(classes), rt.i64(inner), rt.i64(call.ignore_index),
-                   rt.f64(call.label_smoothing), rt.i32(probs is not None), rt.i32(_REDUCTIONS[call.reduction])])
+                  [*arrays, rt.i64(outer), rt.i64(classes), rt.i64(inner), *options])
     grads = {}
     if need_z:
         grads["logits"] = rt.into(out, "logits", dz)

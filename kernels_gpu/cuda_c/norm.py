@@ -68,16 +68,28 @@ SPLIT_MIN_ELEMENTS = 4096
 COLUMN_MODE_BELOW = 32
 #: moments: groups of fewer elements than this are summed by one thread each.
 MOMENTS_THREAD_BELOW = 32
+#: The contiguous-rows kernels (layer_norm / rms_norm over trailing axes, ``norm_rows_*``) are used
+#: where they apply; False forces the generic row kernels (the tests compare both).
+ROWS_PATH = True
+#: 16-byte vectors of a row per thread, at most, in the rows kernels (ROWS_*_VECS in norm.cu).
+ROWS_FWD_VECS = 4
+ROWS_BWD_VECS = 2
+#: Blocks of the rows backward (each sums the parameter-gradient partials of its run of rows);
+#: None: as many as fit the device at once (by threads: 2048 per multiprocessor).
+ROWS_BWD_BLOCKS: int | None = None
+#: The elementwise and row-mode kernels take 16-byte vectors where they can (False: scalar only).
+VECTOR_APPLY = True
 
 _ROW_KERNELS = ("norm_fwd_fused", "norm_col_partial", "norm_apply", "norm_bwd_fused", "norm_bwd_partial",
                 "norm_bwd_group_finalize", "norm_bwd_dx", "norm_param_finalize")
+_ROWS_KERNELS = ("norm_rows_fwd", "norm_rows_bwd")
 _DATA_KERNELS = ("norm_stats_partial", "norm_stats_finalize")
 _MOMENTS_KERNELS = ("moments_rows", "moments_small", "moments_cols", "moments_finalize", "moments_dx")
 
 
 def kernel_names() -> list[str]:
     """Every instantiation the launcher may use (compiled together as one module)."""
-    names = [f"{k}<{t}, {p}>" for k in _ROW_KERNELS for t, p in rt.TYPE_PAIRS]
+    names = [f"{k}<{t}, {p}>" for k in (*_ROW_KERNELS, *_ROWS_KERNELS) for t, p in rt.TYPE_PAIRS]
     names += [f"{k}<{t}>" for k in (*_DATA_KERNELS, *_MOMENTS_KERNELS)
               for t in ("float", "double", "pnn_half", "pnn_bf16")]
     return names
@@ -161,8 +173,19 @@ def _types(call: Any) -> tuple[str, str]:
     return t, ("float" if call.params.get("mixed_precision") else t)
 
 
-def _apply_grid(plan: NormPlan) -> tuple[int, int]:
-    return rt.blocks(plan.width, APPLY_BLOCK), min(max(plan.nn * plan.pp, 1), 65535)
+def _apply_vec(call: Any, plan: NormPlan, *arrays: Any) -> int:
+    """1 when the elementwise kernels can take 16-byte vectors (rows of whole vectors, aligned arrays)."""
+    return int(VECTOR_APPLY and plan.width % (16 // _itemsize(call.dtype)) == 0 and rt.aligned(*arrays))
+
+
+def _group_vec(call: Any, plan: NormPlan, *arrays: Any) -> int:
+    """1 when the row-mode kernels can walk groups in 16-byte vectors (runs of whole vectors, aligned)."""
+    return int(VECTOR_APPLY and plan.qq % (16 // _itemsize(call.dtype)) == 0 and rt.aligned(*arrays))
+
+
+def _apply_grid(plan: NormPlan, vec: int = 0, dtype: str = "float32") -> tuple[int, int]:
+    per = 16 // _itemsize(dtype) if vec else 1
+    return rt.blocks(rt.blocks(plan.width, per), APPLY_BLOCK), min(max(plan.nn * plan.pp, 1), 65535)
 
 
 def _geo(plan: NormPlan) -> list:
@@ -183,13 +206,49 @@ def _column_partials(plan, types, x, dy, w, b, mean, rstd, mode, per_sample, cen
     part_b = xp.empty_like(part_a)
     bx, by = COLUMN_BLOCK
     rt.check_block(bx * by, "COLUMN_BLOCK threads")
-    rt.launch(FAMILY, f"norm_col_partial<{types[0]}, {types[1]}>", (rt.blocks(plan.width, bx), nn_eff * chunks),
-              (bx, by),
+    # mode 0 (statistics) is always per sample: the vector form loads each column's shift once
+    width_v = 16 // _CTYPE_SIZE[types[0]]
+    vec = int(VECTOR_APPLY and (per_sample or mode == 1) and plan.width % width_v == 0 and rt.aligned(x, dy))
+    per = width_v if vec else 1
+    rt.launch(FAMILY, f"norm_col_partial<{types[0]}, {types[1]}>",
+              (rt.blocks(rt.blocks(plan.width, per), bx), nn_eff * chunks), (bx, by),
               [x, rt.ptr(dy), rt.ptr(w), rt.ptr(b), rt.ptr(mean), rt.ptr(rstd), part_a, part_b, *_geo(plan),
                rt.i64(nn_eff), rt.i64(p_eff), rt.i64(chunks), rt.i64(rows), rt.i32(mode), rt.i32(center),
-               rt.i32(act.code), rt.f64(act.slope)],
+               rt.i32(act.code), rt.f64(act.slope), rt.i32(vec)],
               _shared(bx * by, acc))
     return part_a, part_b, nn_eff * chunks
+
+
+def _rows_threads(call: Any, plan: NormPlan, kernel: str, vecs: int, *arrays: Any) -> tuple[int, int] | None:
+    """(threads, vectors per thread) of the contiguous-rows ``kernel``, or None where it doesn't apply.
+
+    It applies to rows of ``n`` contiguous elements with parameters indexed by position (layer_norm,
+    rms_norm), ``n`` a multiple of the 16-byte vector width, at most ``vecs`` vectors per thread of
+    the largest block the compiled kernel allows (its registers decide), and every array 16-byte
+    aligned.
+    """
+    if not ROWS_PATH or plan.column or plan.splits != 1 or plan.pp != 1 or plan.cc != 1 or plan.ss != 1:
+        return None
+    n = plan.qq
+    width = 16 // _itemsize(call.dtype)
+    if plan.cg != n or n == 0 or n % width or n > 1024 * width * vecs or not rt.aligned(*arrays):
+        return None
+    nvec = n // width
+    threads = max(32, 32 * rt.blocks(rt.blocks(nvec, vecs), 32))
+    if threads > rt.max_threads(FAMILY, f"{kernel}<{', '.join(_types(call))}>") // 32 * 32:
+        return None
+    return threads, rt.blocks(nvec, threads)
+
+
+_CTYPE_SIZE = {"float": 4, "double": 8, "pnn_half": 2, "pnn_bf16": 2}
+
+
+def _itemsize(dtype: str) -> int:
+    return 8 if dtype == "float64" else 4 if dtype == "float32" else 2
+
+
+def _rows_shared(acc: str) -> int:
+    return 64 * (8 if acc == "float64" else 4)
 
 
 def _finalize_grid(plan: NormPlan) -> tuple[int]:
@@ -212,7 +271,7 @@ def _statistics(call, plan, types, x, mean, rstd, var, xp, acc) -> None:
         part_b = xp.empty_like(part_a)
         rt.launch(FAMILY, f"norm_stats_partial<{types[0]}>", (plan.groups, plan.splits), (block,),
                   [x, part_a, part_b, rt.i64(plan.nn), rt.i64(plan.pp), rt.i64(plan.cc), rt.i64(plan.qq),
-                   rt.i64(plan.splits), rt.i32(center)], _shared(block, acc))
+                   rt.i64(plan.splits), rt.i32(center), rt.i32(_group_vec(call, plan, x))], _shared(block, acc))
         chunks, qp = plan.splits, 1
     rt.launch(FAMILY, f"norm_stats_finalize<{types[0]}>", _finalize_grid(plan), (APPLY_BLOCK,),
               [x, part_a, part_b, mean, rstd, var, rt.i64(plan.nn), rt.i64(plan.pp), rt.i64(plan.cc),
@@ -258,16 +317,24 @@ def norm_forward(call: Any) -> tuple[tuple[Any, Any, Any], Any]:
             mean[...] = 0
             var[...] = 0
             rstd[...] = 1.0 / math.sqrt(call.eps)
+    elif train and (rows_launch := _rows_threads(call, plan, "norm_rows_fwd", ROWS_FWD_VECS, x, y, w, b)):
+        threads, items = rows_launch
+        rt.launch(FAMILY, f"norm_rows_fwd<{types[0]}, {types[1]}>", (plan.groups,), (threads,),
+                  [x, rt.ptr(w), rt.ptr(b), y, mean, rstd, var, rt.i64(plan.groups), rt.i64(plan.qq), rt.i32(items),
+                   rt.i32(call.center), rt.f64(call.eps), rt.i32(act.code), rt.f64(act.slope)], _rows_shared(acc))
     elif train and not plan.column and plan.splits == 1:
         block = rt.check_block(BLOCK, "BLOCK")
         rt.launch(FAMILY, f"norm_fwd_fused<{types[0]}, {types[1]}>", (plan.groups,), (block,),
                   [x, rt.ptr(w), rt.ptr(b), y, mean, rstd, var, *_geo(plan), rt.i32(1), rt.i32(call.center),
-                   rt.f64(call.eps), rt.i32(act.code), rt.f64(act.slope)], _shared(block, acc))
+                   rt.f64(call.eps), rt.i32(act.code), rt.f64(act.slope), rt.i32(_group_vec(call, plan, x, y))],
+                  _shared(block, acc))
     else:
         if train:
             _statistics(call, plan, types, x, mean, rstd, var, xp, acc)
-        rt.launch(FAMILY, f"norm_apply<{types[0]}, {types[1]}>", _apply_grid(plan), (APPLY_BLOCK,),
-                  [x, rt.ptr(w), rt.ptr(b), y, mean, rstd, *_geo(plan), rt.i32(act.code), rt.f64(act.slope)])
+        vec = _apply_vec(call, plan, x, y)
+        rt.launch(FAMILY, f"norm_apply<{types[0]}, {types[1]}>", _apply_grid(plan, vec, call.dtype), (APPLY_BLOCK,),
+                  [x, rt.ptr(w), rt.ptr(b), y, mean, rstd, *_geo(plan), rt.i32(act.code), rt.f64(act.slope),
+                   rt.i32(vec)])
     new_rm = new_rv = None
     if train and call.update_running and x.size > 0:
         new_rm, new_rv = _updated_running(call, xp, plan, mean, var, acc)
@@ -288,7 +355,7 @@ def _updated_running(call, xp, plan, mean, var, acc):
 # --------------------------------------------------------------------------- backward
 
 
-def _group_sums(call, plan, types, x, dy, mean, rstd, dx, need_x, xp, acc):
+def _group_sums(call, plan, types, x, dy, mean, rstd, dx, need_x, need_params, xp, acc):
     """Training backward of the group sums (and dx): returns reusable parameter partials or None.
 
     The partials come as (part_a, part_b, rows_of_parts, qp, s_eff) for norm_param_finalize.
@@ -296,6 +363,18 @@ def _group_sums(call, plan, types, x, dy, mean, rstd, dx, need_x, xp, acc):
     act = call.activation
     w, b = call.weight, call.bias
     center = bool(call.center)
+    rows_launch = _rows_threads(call, plan, "norm_rows_bwd", ROWS_BWD_VECS, x, dy, dx if need_x else None, w, b)
+    if rows_launch and (need_x or need_params):
+        threads, items = rows_launch
+        per_block = rt.blocks(plan.groups, ROWS_BWD_BLOCKS or rt.multiprocessors() * max(1, 2048 // threads))
+        grid = rt.blocks(plan.groups, per_block)
+        part_a = xp.empty(grid * plan.qq, acc) if need_params else None
+        part_b = xp.empty(grid * plan.qq, acc) if need_params else None
+        rt.launch(FAMILY, f"norm_rows_bwd<{types[0]}, {types[1]}>", (grid,), (threads,),
+                  [x, dy, rt.ptr(w), rt.ptr(b), mean, rstd, rt.ptr(dx if need_x else None), rt.ptr(part_a),
+                   rt.ptr(part_b), rt.i64(plan.groups), rt.i64(plan.qq), rt.i64(per_block), rt.i32(items),
+                   rt.i32(center), rt.i32(act.code), rt.f64(act.slope)], _rows_shared(acc))
+        return (part_a, part_b, grid, plan.qq, 1) if need_params else None
     if not plan.column and plan.splits == 1:
         block = rt.check_block(BLOCK, "BLOCK")
         wfree = plan.cg == 1
@@ -303,8 +382,8 @@ def _group_sums(call, plan, types, x, dy, mean, rstd, dx, need_x, xp, acc):
         part_b = xp.empty(plan.groups, acc) if wfree else None
         rt.launch(FAMILY, f"norm_bwd_fused<{types[0]}, {types[1]}>", (plan.groups,), (block,),
                   [x, dy, rt.ptr(w), rt.ptr(b), mean, rstd, rt.ptr(dx), rt.ptr(part_a), rt.ptr(part_b),
-                   *_geo(plan), rt.i32(center), rt.i32(need_x), rt.i32(act.code), rt.f64(act.slope)],
-                  _shared(block, acc))
+                   *_geo(plan), rt.i32(center), rt.i32(need_x), rt.i32(act.code), rt.f64(act.slope),
+                   rt.i32(_group_vec(call, plan, x, dy, dx))], _shared(block, acc))
         return (part_a, part_b, plan.nn, 1, 1) if wfree else None
     if plan.column:
         part_a, part_b, _ = _column_partials(plan, types, x, dy, w, b, mean, rstd, 1, True, center, act, xp, acc)
@@ -316,7 +395,7 @@ def _group_sums(call, plan, types, x, dy, mean, rstd, dx, need_x, xp, acc):
         part_b = xp.empty_like(part_a)
         rt.launch(FAMILY, f"norm_bwd_partial<{types[0]}, {types[1]}>", (plan.groups, plan.splits), (block,),
                   [x, dy, rt.ptr(w), rt.ptr(b), mean, rstd, part_a, part_b, *_geo(plan), rt.i64(plan.splits),
-                   rt.i32(act.code), rt.f64(act.slope)], _shared(block, acc))
+                   rt.i32(act.code), rt.f64(act.slope), rt.i32(_group_vec(call, plan, x, dy))], _shared(block, acc))
         chunks, qp, apply_w = plan.splits, 1, plan.cg == 1
         reusable = (part_a, part_b, plan.nn * plan.splits, 1, 1) if plan.cg == 1 else None
     if need_x:
@@ -326,9 +405,10 @@ def _group_sums(call, plan, types, x, dy, mean, rstd, dx, need_x, xp, acc):
                   (APPLY_BLOCK,),
                   [rt.ptr(w), part_a, part_b, mgw, mgwx, *_geo(plan), rt.i64(chunks), rt.i64(qp), rt.i32(apply_w),
                    rt.i32(center)])
-        rt.launch(FAMILY, f"norm_bwd_dx<{types[0]}, {types[1]}>", _apply_grid(plan), (APPLY_BLOCK,),
+        vec = _apply_vec(call, plan, x, dy, dx)
+        rt.launch(FAMILY, f"norm_bwd_dx<{types[0]}, {types[1]}>", _apply_grid(plan, vec, call.dtype), (APPLY_BLOCK,),
                   [x, dy, rt.ptr(w), rt.ptr(b), mean, rstd, mgw, mgwx, dx, *_geo(plan), rt.i32(1),
-                   rt.i32(act.code), rt.f64(act.slope)])
+                   rt.i32(act.code), rt.f64(act.slope), rt.i32(vec)])
     return reusable
 
 
@@ -369,11 +449,12 @@ def norm_backward(residuals: Any, cotangents: Any, needs: Any, out: Any = None) 
     if x.size == 0:
         pass
     elif train:
-        partials = _group_sums(call, plan, types, x, dy, mean, rstd, dx, need_x, xp, acc)
+        partials = _group_sums(call, plan, types, x, dy, mean, rstd, dx, need_x, need_w or need_b, xp, acc)
     elif need_x:
-        rt.launch(FAMILY, f"norm_bwd_dx<{types[0]}, {types[1]}>", _apply_grid(plan), (APPLY_BLOCK,),
+        vec = _apply_vec(call, plan, x, dy, dx)
+        rt.launch(FAMILY, f"norm_bwd_dx<{types[0]}, {types[1]}>", _apply_grid(plan, vec, call.dtype), (APPLY_BLOCK,),
                   [x, dy, rt.ptr(call.weight), rt.ptr(call.bias), mean, rstd, rt.NULL, rt.NULL, dx, *_geo(plan),
-                   rt.i32(0), rt.i32(act.code), rt.f64(act.slope)])
+                   rt.i32(0), rt.i32(act.code), rt.f64(act.slope), rt.i32(vec)])
     dw = db = None
     if need_w or need_b:
         if x.size == 0:

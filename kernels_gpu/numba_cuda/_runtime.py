@@ -34,6 +34,30 @@ from portable_nn.kernel_cache import drop_stale_cache
 #: True under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``).
 SIMULATOR = bool(_numba_config.ENABLE_CUDASIM)
 
+
+def _load_numpy_support() -> None:
+    """Import numba-cuda's NumPy overloads, also under NumPy >= 2.5.
+
+    numba-cuda 0.30.4 (the newest release) registers an overload for ``np.row_stack``, which
+    NumPy 2.5 removed, so its first compile fails with ``AttributeError`` (seen on the GPU machine:
+    every numba_cuda launch failed under NumPy 2.5.2).  A stand-in function lets that module
+    import; it is removed again at once, so user code never sees a ``row_stack`` NumPy lacks.
+    """
+    if SIMULATOR or hasattr(np, "row_stack"):
+        return
+
+    def row_stack(tup: Any) -> Any:  # only a registration key: no kernel can name it
+        return np.vstack(tup)
+
+    np.row_stack = row_stack
+    try:
+        import numba.cuda.np.arrayobj  # noqa: F401
+    finally:
+        del np.row_stack
+
+
+_load_numpy_support()
+
 #: dtype name -> (kernel element type name, compute type name) for the signatures.
 VARIANTS = {
     "bfloat16": ("uint16", "float32"),
@@ -125,9 +149,34 @@ def kernel(signature: str, dtypes: tuple[str, ...] = tuple(VARIANTS)) -> Callabl
     def wrap(fn: Callable) -> Any:
         sigs = tuple(signature.format(x=VARIANTS[d][0], c=VARIANTS[d][1]) for d in dtypes)
         KERNELS.append(KernelSpec(f"{fn.__module__}.{fn.__name__}", fn, tuple(dict.fromkeys(sigs))))
-        return cuda.jit(**_KERNEL_OPTIONS)(fn)
+        return tolerant_cache(cuda.jit(**_KERNEL_OPTIONS)(fn))
 
     return wrap
+
+
+def tolerant_cache(dispatcher: Any) -> Any:
+    """Let ``dispatcher`` run the kernels its on-disk cache cannot hold.
+
+    numba-cuda 0.30.4 cannot pickle a kernel that links external code — the bfloat16 variants,
+    whose ``cuda.bf16`` conversions link NVIDIA's bf16 header code — and raises from the compile
+    that would have saved it (``RuntimeError: Cannot pickle CUDACodeLibrary with linking files``),
+    so every bfloat16 launch failed on the GPU machine.  Such a kernel is compiled once per process
+    instead; any other error still propagates.
+    """
+    cache = getattr(dispatcher, "_cache", None)
+    save = getattr(cache, "save_overload", None)
+    if save is None:
+        return dispatcher
+
+    def save_overload(sig: Any, data: Any) -> None:
+        try:
+            save(sig, data)
+        except RuntimeError as exc:
+            if "linking files" not in str(exc):
+                raise
+
+    cache.save_overload = save_overload
+    return dispatcher
 
 
 def device(fn: Callable) -> Any:
@@ -354,7 +403,7 @@ def _cast_py(src, dst):
 
 
 KERNELS.append(KernelSpec(f"{__name__}._cast_kernel", _cast_py, _cast_signatures()))
-_cast_kernel = cuda.jit(**_KERNEL_OPTIONS)(_cast_py)
+_cast_kernel = tolerant_cache(cuda.jit(**_KERNEL_OPTIONS)(_cast_py))
 
 
 def into(out: dict, name: str, value: Any) -> Any:

@@ -45,8 +45,8 @@ class Cases:
 class Placement:
     """Where a workload's arrays live and their floating dtype.
 
-    portable_nn gets NumPy arrays on the CPU and CuPy arrays on a GPU (bfloat16,
-    which CuPy may lack, as CUDA torch tensors); PyTorch gets tensors on the
+    portable_nn gets NumPy arrays on the CPU and CuPy arrays on a GPU (for bfloat16, which
+    CuPy lacks, every array of the call as a CUDA torch tensor); PyTorch gets tensors on the
     same device.  Norm parameters stay float32 for portable_nn (its mixed-precision
     form) and take the data's dtype for PyTorch (its fused path).
     """
@@ -65,7 +65,7 @@ class Placement:
         dtype = dtype or self.dtype
         if not self.on_gpu:
             return a.astype(dtype, copy=False)
-        if dtype == "bfloat16":
+        if self.dtype == "bfloat16":  # every array of the call from one library (float32 params too)
             return self.tensor(a, dtype=dtype)
         import cupy
 
@@ -198,8 +198,14 @@ def _tensors(place: Placement, *arrays: np.ndarray, grad: bool = True) -> list[A
 
 
 def _norm_workload(name: str, op: str, shape: tuple[int, ...], quick_shape: tuple[int, ...],
-                   channels_of: Callable[[tuple[int, ...]], int], extra: tuple = ()) -> Workload:
-    """One norm op vs its ``torch.nn.functional`` twin; ``{shape}`` in ``name`` becomes the shape run."""
+                   channels_of: Callable[[tuple[int, ...]], int], extra: tuple = (),
+                   channels_last: bool = False) -> Workload:
+    """One norm op vs its ``torch.nn.functional`` twin; ``{shape}`` in ``name`` becomes the shape run.
+
+    ``shape`` is PyTorch's logical (N, C, *spatial); with ``channels_last`` portable_nn gets the
+    data as (N, *spatial, C) with ``channel_axis=-1`` and PyTorch the same memory as a
+    ``torch.channels_last`` tensor.
+    """
 
     def build(quick: bool, place: Placement = CPU) -> Cases:
         s = quick_shape if quick else shape
@@ -208,14 +214,23 @@ def _norm_workload(name: str, op: str, shape: tuple[int, ...], quick_shape: tupl
         c = channels_of(s)
         w, b = np.ones(c, np.float32), np.zeros(c, np.float32)
         fn = getattr(pnn, op)
-        xp, dyp, wp, bp = place.array(x), place.array(dy), place.array(w, "float32"), place.array(b, "float32")
+        to_last = (0, *range(2, len(s)), 1)
+        xs, dys = (np.ascontiguousarray(x.transpose(to_last)), np.ascontiguousarray(dy.transpose(to_last))) \
+            if channels_last else (x, dy)
+        xp, dyp, wp, bp = place.array(xs), place.array(dys), place.array(w, "float32"), place.array(b, "float32")
         args = (xp, *extra)
         params = {"weight": wp} if op == "rms_norm" else {"weight": wp, "bias": bp}
+        if channels_last:
+            params["channel_axis"] = -1
 
         def torch_cases() -> Phases:
+            import torch
             import torch.nn.functional as F
 
             xt, wt, bt = _tensors(place, x, w, b)
+            if channels_last:
+                fmt = torch.channels_last if len(s) == 4 else torch.channels_last_3d
+                xt = xt.detach().contiguous(memory_format=fmt).requires_grad_(True)
             forward = {
                 "layer_norm": lambda: F.layer_norm(xt, (c,), wt, bt),
                 "rms_norm": lambda: F.rms_norm(xt, (c,), wt, eps=1e-6),
@@ -224,7 +239,10 @@ def _norm_workload(name: str, op: str, shape: tuple[int, ...], quick_shape: tupl
                 "instance_norm": lambda: F.instance_norm(xt, weight=wt, bias=bt),
             }[op]
             inputs = (xt, wt) if op == "rms_norm" else (xt, wt, bt)
-            return _torch_phases(forward, inputs, place.tensor(dy))
+            dyt = place.tensor(dy)
+            if channels_last:
+                dyt = dyt.contiguous(memory_format=fmt)
+            return _torch_phases(forward, inputs, dyt)
 
         n = place.nbytes(x)
         return Cases(lambda be: _op_phases(be, fn, args, params, dyp), torch_cases,
@@ -272,12 +290,12 @@ def _rnn_params(rng: np.random.Generator, gates: int, inp: int, hidden: int, lay
     return params
 
 
-def _sequence_workload(op: str) -> Workload:
-    """2-layer LSTM/GRU over a whole sequence (I=H=64, N=256, T=50) vs ``nn.LSTM``/``nn.GRU``."""
+def _sequence_workload(op: str, hidden: int = 64) -> Workload:
+    """2-layer LSTM/GRU over a whole sequence (I=H=``hidden``, N=256, T=50) vs ``nn.LSTM``/``nn.GRU``."""
     gates = {"lstm": 4, "gru": 3}[op]
 
     def build(quick: bool, place: Placement = CPU) -> Cases:
-        t, n, h, layers = (10, 32, 64, 2) if quick else (50, 256, 64, 2)
+        t, n, h, layers = (10, 32, hidden, 2) if quick else (50, 256, hidden, 2)
         rng = _rng()
         x, dy = _randn(rng, t, n, h), _randn(rng, t, n, h)
         params = _rnn_params(rng, gates, h, h, layers)
@@ -302,7 +320,7 @@ def _sequence_workload(op: str) -> Workload:
 
         return Cases(portable, torch_cases, {})
 
-    return Workload(f"{op} 2 layers I=H=64 N=256 T=50", (op,), build, f"{op} 2 layers I=H=64 N=32 T=10")
+    return Workload(f"{op} 2 layers I=H={hidden} N=256 T=50", (op,), build, f"{op} 2 layers I=H={hidden} N=32 T=10")
 
 
 def _cell_workload(op: str) -> Workload:
@@ -478,9 +496,9 @@ def _pool_workload(op: str) -> Workload:
     return Workload(f"{op} 2x2 (128,6,24,24)", (op,), build, f"{op} 2x2 (16,6,24,24)")
 
 
-def _loss_workload(op: str) -> Workload:
+def _loss_workload(op: str, classes: int = 1000) -> Workload:
     def build(quick: bool, place: Placement = CPU) -> Cases:
-        n, c = (256, 1000) if quick else (4096, 1000)
+        n, c = (256, classes) if quick else (4096, classes)
         rng = _rng()
         logits = _randn(rng, n, c)
         size = place.nbytes(logits)
@@ -506,7 +524,7 @@ def _loss_workload(op: str) -> Workload:
                                          op == "cross_entropy" else None)
         return Cases(portable, torch_cases, moved)
 
-    return Workload(f"{op} (4096,1000)", (op,), build, f"{op} (256,1000)")
+    return Workload(f"{op} (4096,{classes})", (op,), build, f"{op} (256,{classes})")
 
 
 # --------------------------------------------------------------------------- models

@@ -136,3 +136,28 @@ def test_conv_keeps_output_or_preactivation():
         else:
             assert not torch.equal(kept_tensor, y)
 
+
+
+def test_cuda_float32_convolutions_run_without_tf32(monkeypatch):
+    """cuDNN's default TF32 gave dx errors of 1e-4..5e-4 on an H200: the aten conv switches it off
+    around its forward and backward calls for float32 CUDA tensors (and leaves the flags as found)."""
+    import torch
+
+    from kernels_aten import conv as aconv
+
+    cudnn = torch.backends.cudnn
+    before = (cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32)
+    with aconv._no_tf32():
+        assert cudnn.allow_tf32 is False
+        assert (cudnn.enabled, cudnn.benchmark, cudnn.deterministic) == before[:3]
+    assert (cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32) == before
+    seen = []
+    monkeypatch.setattr(aconv, "_ieee_float32", lambda t: seen.append(t.dtype) or aconv.nullcontext())
+    x = torch.randn(2, 3, 6, 6, requires_grad=True)
+    w = torch.randn(4, 3, 3, 3, requires_grad=True)
+    import portable_nn as pnn
+
+    with pnn.use_backend("aten"):
+        y, pullback = pnn.vjp(pnn.conv, x, w)
+        pullback(torch.ones_like(y))
+    assert seen == [torch.float32, torch.float32]  # forward and backward

@@ -34,6 +34,7 @@ NORM_SETTINGS = {
     "small": SMALL_NORM,
     "row": {**SMALL_NORM, "COLUMN_MODE_BELOW": 0},
     "column": {**SMALL_NORM, "COLUMN_MODE_BELOW": 10**9},
+    "scalar": {**SMALL_NORM, "VECTOR_APPLY": False, "ROWS_PATH": False},
 }
 
 
@@ -69,6 +70,21 @@ def norm_specs():
         ("instance-nchw", "instance_norm", (x4, r.standard_normal(4), r.standard_normal(4)),
          {"running_mean": r.standard_normal(4), "running_var": r.random(4) + 0.5}),
         ("instance-nhwc", "instance_norm", (x4, c6, None), {"channel_axis": -1}),
+        ("batch-nchw-vectors", "batch_norm", (r.standard_normal((4, 3, 2, 8)) + 50, r.standard_normal(3),
+                                              r.standard_normal(3)),
+         {"running_mean": r.standard_normal(3), "running_var": r.random(3) + 0.5, "activation": "relu"}),
+        ("instance-nchw-vectors", "instance_norm", (r.standard_normal((2, 3, 4, 4)), r.standard_normal(3), None),
+         {"activation": "gelu"}),
+        ("group-nchw-vectors", "group_norm", (r.standard_normal((2, 4, 8)), 2, r.standard_normal(4),
+                                              r.standard_normal(4)), {}),
+        ("batch-nhwc-vectors", "batch_norm", (r.standard_normal((2, 3, 5, 8)) - 20, r.standard_normal(8),
+                                              r.standard_normal(8)),
+         {"channel_axis": -1, "running_mean": r.standard_normal(8), "running_var": r.random(8) + 0.5,
+          "activation": "silu"}),
+        ("instance-nhwc-vectors", "instance_norm", (r.standard_normal((2, 3, 5, 16)), None, r.standard_normal(16)),
+         {"channel_axis": -1}),
+        ("group-nhwc-vectors", "group_norm", (r.standard_normal((2, 3, 4, 16)), 2, r.standard_normal(16), None),
+         {"channel_axis": -1, "activation": "tanh"}),
         ("instance-infer", "instance_norm", (x4, None, None),
          {"running_mean": r.standard_normal(4), "running_var": r.random(4) + 0.5, "use_input_stats": False}),
     ]
@@ -148,12 +164,126 @@ def test_emulated_norm_every_dtype(spec, monkeypatch):
 
 
 @needs_emulator
-@pytest.mark.parametrize("settings", ["default", "row", "column"])
+@pytest.mark.parametrize("settings", ["default", "row", "column", "scalar"])
 @pytest.mark.parametrize("spec", NORM_SPECS, ids=[s[0] for s in NORM_SPECS])
 def test_emulated_norm_every_path(spec, settings, monkeypatch):
     for key, value in NORM_SETTINGS[settings].items():
         monkeypatch.setattr(cnorm, key, value)
     _emulated_norm_case(spec, "float32", False)
+
+
+def rows_specs():
+    """layer_norm / rms_norm over trailing axes whose rows suit the contiguous-rows kernels: one and
+    several vectors per thread, activations, no bias, a large offset."""
+    r = _rng(3)
+    return [
+        ("layer-rows", "layer_norm", (r.standard_normal((6, 2, 40)), r.standard_normal(40), r.standard_normal(40)),
+         {}),
+        ("layer-rows-offset-gelu", "layer_norm", (r.standard_normal((5, 160)) * 0.5 + 1e4, r.standard_normal(160),
+                                                  r.standard_normal(160)), {"activation": "gelu"}),
+        ("layer-rows-2axes-leaky", "layer_norm", (r.standard_normal((3, 4, 100)), r.standard_normal((4, 100)), None),
+         {"axis": (-2, -1), "activation": ("leaky_relu", 0.1)}),
+        ("rms-rows", "rms_norm", (r.standard_normal((7, 48)), r.standard_normal(48)), {}),
+        ("rms-rows-noparams", "rms_norm", (r.standard_normal((9, 256)),), {"eps": 1e-3}),
+    ]
+
+
+ROWS_SPECS = rows_specs()
+
+
+def _launched_names():
+    """Wrap the installed launcher (inside emulating()) to collect the kernel names launched."""
+    names = []
+    inner = rt._launcher
+
+    def run(family, name, grid, block, args, shared):
+        names.append(name.split("<")[0])
+        inner(family, name, grid, block, args, shared)
+
+    rt._launcher = run
+    return names
+
+
+@needs_emulator
+@pytest.mark.parametrize("bwd_blocks", [None, 2])
+@pytest.mark.parametrize("spec", ROWS_SPECS, ids=[s[0] for s in ROWS_SPECS])
+def test_emulated_contiguous_rows(spec, bwd_blocks, monkeypatch):
+    """The vectorised rows kernels on the emulator against the reference, every dtype and gradient
+    subset; with two backward blocks each block sums the parameter partials of several rows."""
+    monkeypatch.setattr(cnorm, "ROWS_BWD_BLOCKS", bwd_blocks)
+    _, op, args, kwargs = spec
+    for dtype, mixed in NORM_DTYPES:
+        call = _call(op, args, kwargs, dtype, mixed)
+        every = frozenset(_needs_for(call))
+        for needs in {every, frozenset({"x"}), every - {"x"}} - {frozenset()}:
+            with emulating():
+                names = _launched_names()
+                (y, _, _), res = cnorm.norm_forward(call)
+                dy = _data_like(y.shape, dtype, 7)
+                grads = cnorm.norm_backward(res, (dy,), needs, {})
+            assert "norm_rows_fwd" in names and "norm_rows_bwd" in names, names
+            assert "norm_fwd_fused" not in names and "norm_col_partial" not in names, names
+            (y_ref, _, _), grads_ref = reference_of(call, (dy,), needs)
+            tol = TOL[dtype]
+            assert rel_err(as_float64(y, dtype), y_ref) <= tol, (dtype, "y")
+            for name in needs:
+                err = rel_err(as_float64(grads[name], dtype if name == "x" or not mixed else "float32"),
+                              grads_ref[name])
+                assert err <= 4 * tol, f"{dtype}{'+f32' if mixed else ''} d{name}: relative error {err:.2e}"
+
+
+#: Device-size rows: 1024-thread blocks, several vectors per thread, half data with float32 parameters.
+LARGE_ROWS_SPECS = [
+    ("layer-rows-4096", "layer_norm", (_rng(5).standard_normal((96, 4096)), _rng(6).standard_normal(4096),
+                                       _rng(7).standard_normal(4096)), {}),
+    ("rms-rows-16384", "rms_norm", (_rng(8).standard_normal((24, 16384)), _rng(9).standard_normal(16384)), {}),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bwd_blocks", [None, 3])
+@pytest.mark.parametrize("dtype,mixed", NORM_DTYPES, ids=[f"{d}{'+f32' if m else ''}" for d, m in NORM_DTYPES])
+@pytest.mark.parametrize("spec", ROWS_SPECS + LARGE_ROWS_SPECS, ids=[s[0] for s in ROWS_SPECS + LARGE_ROWS_SPECS])
+def test_gpu_contiguous_rows_match_reference(spec, dtype, mixed, bwd_blocks, monkeypatch):
+    monkeypatch.setattr(cnorm, "ROWS_BWD_BLOCKS", bwd_blocks)
+    gpu_compare(spec, dtype, mixed)
+
+
+def test_contiguous_rows_need_aligned_vectors():
+    """A row length that is no multiple of the vector width, or an array off a 16-byte boundary,
+    goes to the generic row kernels."""
+    r = _rng(4)
+    call = _call("layer_norm", (r.standard_normal((4, 40)), r.standard_normal(40), None), {})
+    plan = cnorm.plan_of(call)
+    fwd = ("norm_rows_fwd", cnorm.ROWS_FWD_VECS)
+    assert cnorm._rows_threads(call, plan, *fwd, call.x, call.weight) == (32, 1)
+    shifted = np.empty(call.x.size + 1, np.float32)[1:].reshape(call.x.shape)
+    assert cnorm._rows_threads(call, plan, *fwd, shifted, call.weight) is None
+    odd = _call("layer_norm", (r.standard_normal((4, 42)),), {})
+    assert cnorm._rows_threads(odd, cnorm.plan_of(odd), *fwd, odd.x) is None
+    half = _call("layer_norm", (r.standard_normal((4, 40)),), {}, "float16")
+    assert cnorm._rows_threads(half, cnorm.plan_of(half), *fwd, half.x) == (32, 1)
+    batch = _call("batch_norm", (r.standard_normal((8, 4)),), {})
+    assert cnorm._rows_threads(batch, cnorm.plan_of(batch), *fwd, batch.x) is None
+
+
+def test_contiguous_rows_respect_the_kernels_thread_limit(monkeypatch):
+    """float64 (96, 4096) asked the rows backward for 1024 threads, more than its registers allow on
+    an H200 (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES): a row needing more threads than the compiled
+    kernel takes goes to the generic kernels."""
+    call = _call("layer_norm", (_rng(5).standard_normal((96, 4096)),), {}, "float64")
+    plan = cnorm.plan_of(call)
+    assert cnorm._rows_threads(call, plan, "norm_rows_bwd", cnorm.ROWS_BWD_VECS, call.x) == (1024, 2)
+    asked = []
+
+    def limit(family, name):
+        asked.append(name)
+        return 640
+
+    monkeypatch.setattr(rt, "max_threads", limit)
+    assert cnorm._rows_threads(call, plan, "norm_rows_bwd", cnorm.ROWS_BWD_VECS, call.x) is None
+    assert asked == ["norm_rows_bwd<double, double>"]
+    assert cnorm._rows_threads(call, plan, "norm_rows_fwd", cnorm.ROWS_FWD_VECS, call.x) == (512, 4)
 
 
 @pytest.mark.parametrize("settings", ["default", "small"])

@@ -89,6 +89,7 @@ def rounded(a, dtype: str):
 
 def test_block_sizes_are_checked(monkeypatch):
     monkeypatch.setattr(cnorm, "BLOCK", 48)
+    monkeypatch.setattr(cnorm, "ROWS_PATH", False)  # the contiguous-rows kernels size their own blocks
     call = _call("layer_norm", (_rng().standard_normal((4, 8)),), {})
     with recording(), pytest.raises(ValueError, match="BLOCK must be a power of two"):
         cnorm.norm_forward(call)

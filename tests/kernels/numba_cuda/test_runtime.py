@@ -38,6 +38,12 @@ def test_declared_support(op):
         assert set(s.layouts) == {"channels_first", "channels_last"}
 
 
+def _run_outside_the_simulator(code: str, timeout: int) -> None:
+    """Run ``code`` in a fresh interpreter at the repository root with the simulator off."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=HERE.parents[2], timeout=timeout)
+
+
 def test_import_loads_neither_numba_cuda_nor_cupy():
     code = (
         "import sys, portable_nn as pnn, kernels_gpu.numba_cuda\n"
@@ -46,8 +52,7 @@ def test_import_loads_neither_numba_cuda_nor_cupy():
         "bad = [m for m in ('numba.cuda', 'cupy', 'numba_cuda') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=HERE.parents[2], timeout=120)
+    _run_outside_the_simulator(code, timeout=120)
 
 
 def test_without_a_gpu_forcing_raises_and_auto_falls_back():
@@ -131,3 +136,66 @@ def test_simulator_covers_every_norm_path(simulator_results):
     assert {"row", "seg", "column"} <= paths
     assert {"moments-rows", "moments-small", "moments-cols", "moments-empty"} <= paths
 
+
+
+@needs_numba_cuda
+def test_kernels_compile_under_a_numpy_without_row_stack():
+    """numba-cuda 0.30.4 registers ``np.row_stack``, which NumPy 2.5 removed: on the GPU machine
+    (NumPy 2.5.2) every launch failed with AttributeError.  This NumPy is made to lack it too."""
+    code = (
+        "import numpy as np\n"
+        "if hasattr(np, 'row_stack'):\n"
+        "    del np.row_stack\n"
+        "    np.__all__ = [n for n in np.__all__ if n != 'row_stack']\n"
+        "import numba.cuda.dispatcher as dispatcher\n"
+        "from numba import cuda\n"
+        "import kernels_gpu.numba_cuda.norm\n"
+        "from kernels_gpu.numba_cuda._runtime import KERNELS\n"
+        "class Target:\n"
+        "    compute_capability = (9, 0)\n"
+        "dispatcher.get_current_device = lambda: Target\n"
+        "spec = next(s for s in KERNELS if s.name.endswith('_row_forward'))\n"
+        "ptx, _ = cuda.compile_ptx(spec.py_func, spec.signatures[0], cc=(9, 0))\n"
+        "assert '.entry' in ptx\n"
+        "assert not hasattr(np, 'row_stack'), 'the stand-in leaked into numpy'\n"
+    )
+    _run_outside_the_simulator(code, timeout=300)
+
+
+@needs_numba_cuda
+def test_the_cache_lets_kernels_that_link_code_run():
+    """numba-cuda cannot pickle the bfloat16 kernels (they link the bf16 conversion code): on the
+    GPU machine its cache raised from every such compile.  The kernels' caches skip exactly that."""
+    import importlib
+
+    from numba.cuda.dispatcher import CUDACache, CUDADispatcher
+
+    from kernels_gpu.numba_cuda import _runtime as rt
+
+    class Cache:
+        def __init__(self, error):
+            self.error = error
+
+        def save_overload(self, sig, data):
+            raise self.error
+
+    class Dispatcher:
+        pass
+
+    linking = Dispatcher()
+    linking._cache = Cache(RuntimeError("Cannot pickle CUDACodeLibrary with linking files"))
+    rt.tolerant_cache(linking)._cache.save_overload("sig", object())  # swallowed
+    other = Dispatcher()
+    other._cache = Cache(RuntimeError("disk full"))
+    with pytest.raises(RuntimeError, match="disk full"):
+        rt.tolerant_cache(other)._cache.save_overload("sig", object())
+    if rt.SIMULATOR:
+        return
+    wrapped = 0
+    for name in ("_runtime", "norm", "loss", "pool", "conv", "dense", "rnn"):
+        module = importlib.import_module(f"kernels_gpu.numba_cuda.{name}")
+        for value in vars(module).values():
+            if isinstance(value, CUDADispatcher) and isinstance(value._cache, CUDACache):  # kernels, not device fns
+                assert "tolerant_cache" in value._cache.save_overload.__qualname__, value
+                wrapped += 1
+    assert wrapped >= len(rt.KERNELS)
