@@ -205,3 +205,24 @@ def test_gpu_tests_default_to_the_kernel_and_adapter_suites(monkeypatch):
     assert all(p in default for p in gpu_check.KERNEL_TEST_PATHS) and "-m" in default
     assert not any(p in full for p in gpu_check.KERNEL_TEST_PATHS)
     assert t_default == gpu_check.TEST_TIMEOUT_S < t_full == gpu_check.FULL_TEST_TIMEOUT_S
+
+
+def test_ops_selects_workloads_by_names_holding_commas(monkeypatch, tmp_path):
+    """``--ops "(8192,4096) float32,cross_entropy (4096,32000)"`` picks those rows (a plain comma split
+    selected "(4096" and ran the whole suite on a lent GPU)."""
+    import argparse
+
+    seen = {}
+
+    def fake_suite(quick, progress=None, selectors=None, on_row=None):
+        seen["selectors"] = selectors
+        return Report({"device": "test GPU"}, 3000.0, [])
+
+    monkeypatch.setattr(gpu_check, "gpu_status", lambda: (True, "a test GPU"))
+    monkeypatch.setattr("portable_nn.bench.gpu.run_gpu_suite", fake_suite)
+    parser = argparse.ArgumentParser()
+    gpu_check.add_arguments(parser)
+    args = parser.parse_args(["--skip-tests", "--out", str(tmp_path / "r.md"),
+                              "--ops", "(8192,4096) float32,cross_entropy (4096,32000)"])
+    assert gpu_check.main(args) == 0
+    assert seen["selectors"] == ["(8192,4096) float32", "cross_entropy (4096,32000)"]
