@@ -17,7 +17,7 @@ from typing import Any
 
 from .activations import ActivationLike
 
-__all__ = ["KINDS", "ActivationLike", "Array", "Axes", "IntOrTuple", "Lengths", "Padding", "RnnParams"]
+__all__ = ["KINDS", "ActivationLike", "Array", "Axes", "IntOrTuple", "Lengths", "Padding", "RnnParams", "Window"]
 
 #: An array of any array-API library (NumPy, PyTorch, CuPy, JAX …).
 Array = Any
@@ -25,6 +25,9 @@ Array = Any
 Axes = int | tuple[int, ...]
 #: One int for every spatial axis, or one per axis.
 IntOrTuple = int | tuple[int, ...]
+#: A pooling window: an int (every spatial axis; their number follows from x's rank) or a tuple
+#: (one per spatial axis: its length is their number, so a 1-tuple pools unbatched (C, L) input).
+Window = int | tuple[int, ...]
 #: Convolution padding: an int, ``"same"``/``"valid"``, or per axis an int or a ``(low, high)`` pair.
 Padding = int | str | tuple[int | tuple[int, int], ...]
 #: A stacked recurrent layer's weights: per layer and direction ``(w_ih, w_hh, b_ih, b_hh)``.
@@ -34,7 +37,7 @@ Lengths = Any
 
 #: Every argument kind, as it appears in the ops' annotations.
 KINDS = frozenset({
-    "Array", "Array | None", "Axes", "Axes | None", "IntOrTuple", "IntOrTuple | None", "Padding",
+    "Array", "Array | None", "Axes", "Axes | None", "IntOrTuple", "IntOrTuple | None", "Window", "Padding",
     "ActivationLike", "RnnParams", "Lengths | None", "int", "int | None", "float", "bool", "str",
 })
 #: The kinds that hold arrays (what a framework traces or differentiates).

@@ -37,7 +37,7 @@ from ._common import (
     public_op,
     spatial_layout,
 )
-from ._types import Array, IntOrTuple
+from ._types import Array, IntOrTuple, Window
 
 __all__ = ["avg_pool", "max_pool"]
 
@@ -165,7 +165,7 @@ def _avg_divisors(
 @public_op(grad_fields=_POOL_FIELDS)
 def max_pool(
     x: Array,
-    window: IntOrTuple,
+    window: Window,
     *,
     stride: IntOrTuple | None = None,
     padding: IntOrTuple = 0,
@@ -232,7 +232,7 @@ def max_pool(
 @public_op(grad_fields=_POOL_FIELDS)
 def avg_pool(
     x: Array,
-    window: IntOrTuple,
+    window: Window,
     *,
     stride: IntOrTuple | None = None,
     padding: IntOrTuple = 0,

@@ -45,7 +45,9 @@ defaults, parameter and buffer names, initialisation, ``state_dict`` keys and
 existing weights.  Their forward runs our fused kernels, with extra
 keyword-only options the kernels offer (``activation=``, ``channel_axis=``,
 GRU ``reset_after=``).  Arguments we cannot honour raise
-``NotImplementedError`` naming them.
+``NotImplementedError`` naming them.  Bad inputs raise what the ``torch.nn`` twin raises
+(``ValueError``, or an error that is both ``ValueError``/``TypeError`` and ``RuntimeError`` where
+the twin raises ``RuntimeError``: :mod:`portable_nn.adapters.torch.errors`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from . import (
 )
 from ._ops import saved_pullbacks
 from .cells import CrossEntropyLoss, GRUCell, LSTMCell, RNNCell
+from .errors import InputTypeError, InputValueError
 from .functional import *  # noqa: F403  (one function per portable_nn op, generated from its description)
 from .modules import (
     GRU,
@@ -94,6 +97,8 @@ __all__ = [
     "CrossEntropyLoss",
     "GRUCell",
     "GroupNorm",
+    "InputTypeError",
+    "InputValueError",
     "InstanceNorm1d",
     "InstanceNorm2d",
     "InstanceNorm3d",

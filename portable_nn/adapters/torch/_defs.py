@@ -173,6 +173,10 @@ KINDS: dict[str, Kind] = {
     "Axes | None": _AXES_OPTIONAL,
     "IntOrTuple": _AXES,
     "IntOrTuple | None": _AXES_OPTIONAL,
+    # an int and a 1-tuple differ for a pooling window (every spatial axis vs one): a flag keeps which
+    "Window": Kind((("int[]", "{}"), ("bool", "{}_per_axis")),
+                   lambda v, n: (_int_list(v, n), isinstance(v, (tuple, list))),
+                   lambda values, per_axis: tuple(values) if per_axis else values[0]),
     "Padding": Kind((("int[]", "{}"), ("str", "padding_mode")), _encode_padding, _decode_padding),
     "ActivationLike": Kind((("str", "{}"), ("float", "slope")), lambda v, n: _act(v), _act_arg),
     "RnnParams": Kind((("Tensor[]", "weights"), ("Tensor[]", "biases")), _encode_params, _decode_params),

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .errors import raises_like_torch
 from .functional import cross_entropy, gru_cell, lstm_cell, rnn_cell
 
 
@@ -31,6 +32,7 @@ class RNNCell(nn.RNNCell):
     Args: as in ``torch.nn.RNNCell`` (``nonlinearity`` ``"tanh"`` or ``"relu"``).
     """
 
+    @raises_like_torch
     def forward(self, input: Tensor, hx: Tensor | None = None) -> Tensor:
         """``(N, input_size)`` or ``(input_size,)`` → h' of the hidden state's shape."""
         input, batched = _cell_inputs(self, input, hx)
@@ -42,6 +44,7 @@ class RNNCell(nn.RNNCell):
 class LSTMCell(nn.LSTMCell):
     """Drop-in ``torch.nn.LSTMCell`` (gates i, f, g, o): returns ``(h', c')``.  Args as in ``torch.nn.LSTMCell``."""
 
+    @raises_like_torch
     def forward(self, input: Tensor, hx: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """``(N, input_size)`` or ``(input_size,)`` and ``(h, c)`` (zeros when None) → ``(h', c')``."""
         input, batched = _cell_inputs(self, input, None if hx is None else hx[0])
@@ -52,6 +55,7 @@ class LSTMCell(nn.LSTMCell):
 class GRUCell(nn.GRUCell):
     """Drop-in ``torch.nn.GRUCell`` (gates r, z, n; PyTorch's form).  Args as in ``torch.nn.GRUCell``."""
 
+    @raises_like_torch
     def forward(self, input: Tensor, hx: Tensor | None = None) -> Tensor:
         """``(N, input_size)`` or ``(input_size,)`` → h' of the hidden state's shape."""
         input, batched = _cell_inputs(self, input, hx)
@@ -67,6 +71,7 @@ class CrossEntropyLoss(nn.CrossEntropyLoss):
     Classes are axis 1 of ``(N, C, d1, ...)`` input, or axis 0 of unbatched ``(C,)`` input.
     """
 
+    @raises_like_torch
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
         """The loss of ``input`` (logits) against class indices or class probabilities ``target``."""
         return cross_entropy(input, target, axis=1 if input.dim() > 1 else 0, weight=self.weight,

@@ -466,6 +466,17 @@ class _Recurrent(nn.RNNBase):
     def _sequence(self, x: Tensor, params: list[tuple[Any, ...]], h0: Any, c0: Any, lengths: Any) -> tuple[Any, Any]:
         raise NotImplementedError
 
+    def _check_input_dtype(self, x: Tensor) -> None:
+        """torch.nn's ValueError for an input whose dtype the weights don't take (float16/bfloat16
+        input with float32 weights, portable_nn's mixed precision, is allowed)."""
+        w = getattr(self, self._flat_weights_names[0])
+        if x.dtype == w.dtype or (x.dtype in (torch.float16, torch.bfloat16) and w.dtype == torch.float32):
+            return
+        raise ValueError(
+            f"{type(self).__name__} input dtype {x.dtype} does not match weight dtype {w.dtype}. "
+            f"Convert input: input.to({w.dtype}), or convert weight: module.to({x.dtype})"
+        )
+
     def _run(self, x: Tensor, h0: Tensor | None, c0: Tensor | None, lengths: Any) -> tuple[Tensor, tuple[Tensor, ...]]:
         """Every layer in one call, or layer by layer with dropout between them when training."""
         params = self._params()
@@ -512,6 +523,7 @@ class _Recurrent(nn.RNNBase):
                 if lengths is not None:
                     raise ValueError("lengths needs batched input")
                 x = x.unsqueeze(batch_dim)
+        self._check_input_dtype(x)
         states = (None, None) if hx is None else (tuple(hx) if self._has_cell else (hx, None))
         if not batched:
             for state in states:

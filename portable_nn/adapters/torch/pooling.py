@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from .errors import raises_like_torch
 from .functional import avg_pool, max_pool
 from .modules import _check_channel_axis
 
@@ -29,6 +30,7 @@ class _MaxPoolMixin:
         super().__init__(kernel_size, stride, padding, dilation, return_indices, ceil_mode)  # type: ignore[call-arg]
         self.channel_axis = _check_channel_axis(channel_axis)
 
+    @raises_like_torch
     def forward(self, input: Tensor) -> Tensor:
         """Max over each window of ``input`` ``(N, C, *spatial)`` or ``(C, *spatial)`` (or channels last)."""
         d = self._d
@@ -61,6 +63,7 @@ class _AvgPoolMixin:
 
     _d: int
 
+    @raises_like_torch
     def forward(self, input: Tensor) -> Tensor:
         """The mean over each window of ``input`` (PyTorch's divisor rule, or ``divisor_override``)."""
         d = self._d
