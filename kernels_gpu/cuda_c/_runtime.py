@@ -18,6 +18,7 @@ Nothing here imports CuPy at import time; :func:`launch` does, on first use.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -254,13 +255,22 @@ def aligned(*arrays: Any, to: int = 16) -> bool:
     return all(a is None or address(a) % to == 0 for a in arrays)
 
 
+_max_threads: dict[tuple[str, int, str], int] = {}
+
+
 def max_threads(family: str, name: str) -> int:
     """The most threads a block of kernel ``name`` may have on the current device (its registers
-    decide: the float64 rows backward cannot take 1024, seen on an H200); 1024 without a device."""
+    decide: the float64 rows backward cannot take 1024, seen on an H200); 1024 without a device.
+    Asked of the driver once per kernel and device."""
     if _launcher is not _cupy_launch:  # the emulator and the launch recorder
         return 1024
     try:
-        return int(function(family, name).max_threads_per_block)
+        import cupy
+
+        key = (family, cupy.cuda.runtime.getDevice(), name)
+        if key not in _max_threads:
+            _max_threads[key] = int(function(family, name).max_threads_per_block)
+        return _max_threads[key]
     except Exception:  # no CuPy or no device: the launch-planning tests
         return 1024
 
@@ -270,9 +280,17 @@ def multiprocessors() -> int:
     try:
         import cupy
 
-        return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+        return _multiprocessors(cupy.cuda.runtime.getDevice())
     except Exception:  # no CuPy or no device: the launch-planning tests
         return 132
+
+
+@functools.cache
+def _multiprocessors(device: int) -> int:
+    # once per device: Device.attributes asks the driver for every attribute it has
+    import cupy
+
+    return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
 
 
 def bf16_bits_to_float(xp: Any, bits: Any) -> Any:
