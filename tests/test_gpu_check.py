@@ -209,7 +209,7 @@ def test_gpu_tests_default_to_the_kernel_and_adapter_suites(monkeypatch):
 
 def test_ops_selects_workloads_by_names_holding_commas(monkeypatch, tmp_path):
     """``--ops "(8192,4096) float32,cross_entropy (4096,32000)"`` picks those rows (a plain comma split
-    selected "(4096" and ran the whole suite on a lent GPU)."""
+    selected "(4096" and ran the whole suite on a GPU machine)."""
     import argparse
 
     seen = {}
