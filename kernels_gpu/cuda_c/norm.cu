@@ -149,7 +149,7 @@ __global__ void norm_fwd_fused(const T* x, const PT* w, const PT* b, T* y, typen
         } else if (center) {
             const A cm = s1 / A(n);
             mh = shift; ml = cm; v = (s2 - s1 * cm) / A(n);
-            v = v > A(0) ? v : A(0);
+            v = v < A(0) ? A(0) : v;  // rounding only: NaN data keeps a NaN variance
         } else {
             mh = 0; ml = 0; v = s2 / A(n);
         }
@@ -363,7 +363,7 @@ __global__ void norm_stats_finalize(const T* x, const typename acc_of<T>::type* 
         mh = static_cast<A>(to_acc(x[(i * pp * cc + c) * qq]));
         ml = cm;
         v = (s2 - s1 * cm) / A(n);
-        v = v > A(0) ? v : A(0);
+        v = v < A(0) ? A(0) : v;  // rounding only: NaN data keeps a NaN variance
     } else if (n > 0) {
         v = s2 / A(n);
     }
@@ -738,7 +738,7 @@ __global__ void norm_rows_fwd(const T* x, const PT* w, const PT* b, T* y, typena
         if (center) {
             const A cm = s1 / A(n);
             mh = shift; ml = cm; vr = (s2 - s1 * cm) / A(n);
-            vr = vr > A(0) ? vr : A(0);
+            vr = vr < A(0) ? A(0) : vr;  // rounding only: NaN data keeps a NaN variance
         } else {
             mh = 0; ml = 0; vr = s2 / A(n);
         }

@@ -503,3 +503,39 @@ def test_gpu_moments_bitwise_deterministic(settings, monkeypatch):
         for a, b in zip(first, second):
             assert bool((a == b).all())
 
+
+
+def _special_value_specs():
+    """Groups holding +inf, −inf or NaN (their statistics are NaN: every output of the group is NaN,
+    as in PyTorch), next to finite groups."""
+    r = _rng(21)
+    rows = r.standard_normal((6, 40))
+    rows[1, 3], rows[2, 5], rows[4, 0] = np.nan, np.inf, -np.inf
+    planes = r.standard_normal((2, 8, 4, 4))
+    planes[0, 1, 2, 2], planes[1, 3, 0, 0] = np.nan, -np.inf
+    return [
+        ("layer-special", "layer_norm", (rows, r.standard_normal(40), r.standard_normal(40)), {}),
+        ("rms-special", "rms_norm", (rows, r.standard_normal(40)), {}),
+        ("batch-special", "batch_norm", (planes, r.standard_normal(8), r.standard_normal(8)), {}),
+        ("batch-nhwc-special", "batch_norm", (planes.transpose(0, 2, 3, 1).copy(), r.standard_normal(8), None),
+         {"channel_axis": -1}),
+        ("group-special", "group_norm", (planes, 2, r.standard_normal(8), r.standard_normal(8)), {}),
+        ("instance-special", "instance_norm", (planes, None, r.standard_normal(8)), {}),
+    ]
+
+
+@needs_emulator
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the reference's own inf − inf
+@pytest.mark.parametrize("settings", ["default", "row", "column", "scalar"])
+@pytest.mark.parametrize("spec", _special_value_specs(), ids=[s[0] for s in _special_value_specs()])
+def test_emulated_norm_special_values(spec, settings, monkeypatch):
+    """A variance made NaN by ±inf or NaN data stays NaN: the kernels clamped it to 0 (a rounding
+    guard), giving ±inf outputs where PyTorch and the reference give NaN."""
+    for key, value in NORM_SETTINGS[settings].items():
+        monkeypatch.setattr(cnorm, key, value)
+    _, op, args, kwargs = spec
+    call = _call(op, args, kwargs, "float32", False)
+    with emulating():
+        (y, _, _), _ = cnorm.norm_forward(call)
+    (y_ref, _, _), _ = reference_of(call, (np.ones(y.shape),), frozenset({"x"}))
+    assert_matches(as_float64(y, "float32"), y_ref, TOL["float32"], "y")
