@@ -17,7 +17,7 @@
 // --------------------------------------------------------------------------- log_softmax
 
 // Online log-sum-exp: (m, s) with Σ exp(v − m) = s over the values seen; NaN wins, −inf adds
-// nothing.  One pass over a row instead of a max pass then a sum pass (the rows kernels read
+// nothing, +inf makes the sum NaN.  One pass over a row instead of a max pass then a sum pass (the rows kernels read
 // the logits once for lse; 32000 classes: a row is 128 KB).
 template <class A> __device__ __forceinline__ void lse_merge(A& m, A& s, A m2, A s2) {
     if (pnn_isnan(m)) return;
@@ -35,6 +35,8 @@ template <class A> __device__ __forceinline__ void lse_merge(A& m, A& s, A m2, A
         s = s * pnn_exp(m - m2) + s2;
         m = m2;
     }
+    // A +inf maximum makes the sum exp(+inf − +inf) = NaN, as the two-pass form (and PyTorch) has it.
+    if (m == pnn_inf<A>()) s = m - m;
 }
 
 struct pnn_lse_pair {

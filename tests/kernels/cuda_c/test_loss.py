@@ -69,3 +69,29 @@ def test_emulated_loss_keeps_float32_digits_at_a_large_offset(spec, monkeypatch)
     _, op, _, _ = spec
     needs = {"x"} if op == "log_softmax" else {"logits"}
     emulated_case(closs, f"{op}_forward", f"{op}_backward", spec, "float32", False, needs, tol_factor=0.1)
+
+
+def _special_specs():
+    r = _rng(13)
+    z = r.standard_normal((6, 40))
+    z[1, 3], z[2, 5], z[3, :], z[4, 7] = np.nan, np.inf, -np.inf, -np.inf
+    labels = np.array([0, 3, 5, 2, 7, 1])
+    return [
+        ("lsm-rows-special", "log_softmax", (z,), {}),
+        ("lsm-cols-special", "log_softmax", (z.T.copy(),), {"axis": 0}),
+        ("ce-rows-special", "cross_entropy", (z, labels), {"reduction": "none", "label_smoothing": 0.1}),
+        ("ce-cols-special", "cross_entropy", (z.reshape(6, 40, 1).repeat(2, axis=2), np.stack([labels] * 2, 1)),
+         {"reduction": "none"}),
+    ]
+
+
+@needs_emulator
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the reference's own inf − inf
+@pytest.mark.parametrize("spec", _special_specs(), ids=[s[0] for s in _special_specs()])
+def test_emulated_loss_special_values(spec, monkeypatch):
+    """NaN, +inf (the row's log-sum-exp is NaN, as in PyTorch), −inf entries and all −inf rows: the
+    one-pass row kernels agree with the reference where every output is NaN, inf or finite."""
+    monkeypatch.setattr(closs, "BLOCK", 32)
+    _, op, _, _ = spec
+    needs = {"x"} if op == "log_softmax" else {"logits"}
+    emulated_case(closs, f"{op}_forward", f"{op}_backward", spec, "float32", False, needs)
