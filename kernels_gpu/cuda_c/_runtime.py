@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -262,11 +263,10 @@ def max_threads(family: str, name: str) -> int:
     """The most threads a block of kernel ``name`` may have on the current device (its registers
     decide: the float64 rows backward cannot take 1024, seen on an H200); 1024 without a device.
     Asked of the driver once per kernel and device."""
-    if _launcher is not _cupy_launch:  # the emulator and the launch recorder
+    cupy = sys.modules.get("cupy")  # arrays on a device mean CuPy is imported; no import attempt per call
+    if _launcher is not _cupy_launch or cupy is None:  # the emulator, the launch recorder, no CuPy
         return 1024
     try:
-        import cupy
-
         key = (family, cupy.cuda.runtime.getDevice(), name)
         if key not in _max_threads:
             _max_threads[key] = int(function(family, name).max_threads_per_block)
@@ -277,11 +277,12 @@ def max_threads(family: str, name: str) -> int:
 
 def multiprocessors() -> int:
     """Multiprocessors of the current CuPy device (132 when there is none: the emulator, the recorder)."""
+    cupy = sys.modules.get("cupy")
+    if cupy is None:  # no CuPy imported: the launch-planning tests
+        return 132
     try:
-        import cupy
-
         return _multiprocessors(cupy.cuda.runtime.getDevice())
-    except Exception:  # no CuPy or no device: the launch-planning tests
+    except Exception:  # no device
         return 132
 
 
