@@ -170,6 +170,58 @@ def _norm_params(
     }
 
 
+def _prepare_running_norm(
+    kind: str, x: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any, *, channel_axis: Any,
+    eps: Any, activation: Any, momentum: Any, return_stats: Any, use_stats: Any, use_stats_name: str,
+    min_ndim: tuple[int, str], first_axis: int, stats_batch_axis: int | None, too_few: str,
+) -> Prepared:
+    """Validate and plan batch_norm or instance_norm: per-channel parameters and running statistics.
+
+    Statistics are over the axes from ``first_axis`` on but the channel axis (0: batch norm, 1:
+    instance norm, whose running statistics then average over the batch, ``stats_batch_axis``);
+    ``use_stats`` (named ``use_stats_name``) chooses them over the running ones, which are updated
+    in place when given, or returned with ``return_stats``; ``too_few`` (formatted with the shape)
+    refuses statistics of a single value.
+    """
+    named = {"x": x, "weight": weight, "bias": bias, "running_mean": running_mean, "running_var": running_var}
+    _, family, device, dtype, mixed = _check_arrays(named, ("weight", "bias", "running_mean", "running_var"))
+    check_min_ndim(x, "x", *min_ndim)
+    axis, layout, channels, param_shape = _channel_plan(x, channel_axis)
+    _per_channel(x, weight, "weight", channels)
+    _per_channel(x, bias, "bias", channels)
+    _check_running(x, running_mean, running_var, channels)
+    params = _common_params(eps, activation)
+    use_stats = check_bool(use_stats, use_stats_name)
+    momentum = check_fraction(momentum, "momentum")
+    return_stats = check_bool(return_stats, "return_stats")
+    axes = tuple(i for i in range(first_axis, x.ndim) if i != axis)
+    count = 1
+    for i in axes:
+        count *= int(x.shape[i])
+    if not use_stats and running_mean is None:
+        raise ValueError(f"running_mean and running_var are required when {use_stats_name}=False")
+    if use_stats and count == 1:
+        raise ValueError(too_few.format(shape=tuple(x.shape)))
+    update = use_stats and running_mean is not None
+    if update and not return_stats:
+        check_writable(running_mean, "running_mean")
+        check_writable(running_var, "running_var")
+        check_distinct({"running_mean": running_mean, "running_var": running_var})
+    params.update(
+        _norm_params(axes=axes, view_shape=tuple(x.shape), param_shape=param_shape, use_batch_stats=use_stats,
+                     update_running=update, stats_batch_axis=stats_batch_axis, momentum=momentum, mixed=mixed,
+                     kind=kind, channel_axis=axis)
+    )
+    call = make_call(kind, named, params, family=family, device=device, dtype=dtype, layout=layout)
+    return Prepared(
+        call,
+        _NORM_FIELDS,
+        {"x": x, "weight": weight, "bias": bias},
+        finish=_finish_with_stats(running_mean, running_var, return_stats),
+        mutates=update and not return_stats,
+    )
+
+
 # --------------------------------------------------------------------------- moments
 
 
@@ -403,54 +455,12 @@ def batch_norm(
         ``pnn.capabilities()`` lists them.  ``pnn.explain`` reports which one a call
         runs and why the others were passed over.
     """
-    named = {"x": x, "weight": weight, "bias": bias, "running_mean": running_mean, "running_var": running_var}
-    _, family, device, dtype, mixed = _check_arrays(named, ("weight", "bias", "running_mean", "running_var"))
-    check_min_ndim(x, "x", 2, "(N, C, ...)")
-    axis, layout, channels, param_shape = _channel_plan(x, channel_axis)
-    _per_channel(x, weight, "weight", channels)
-    _per_channel(x, bias, "bias", channels)
-    _check_running(x, running_mean, running_var, channels)
-    params = _common_params(eps, activation)
-    training = check_bool(training, "training")
-    momentum = check_fraction(momentum, "momentum")
-    return_stats = check_bool(return_stats, "return_stats")
-    axes = tuple(i for i in range(x.ndim) if i != axis)
-    per_channel = 1
-    for i in axes:
-        per_channel *= int(x.shape[i])
-    if not training and running_mean is None:
-        raise ValueError("running_mean and running_var are required when training=False")
-    if training and per_channel == 1:
-        raise ValueError(
-            f"x of shape {tuple(x.shape)} has one value per channel; batch statistics need "
-            "more than 1 value per channel when training"
-        )
-    update = training and running_mean is not None
-    if update and not return_stats:
-        check_writable(running_mean, "running_mean")
-        check_writable(running_var, "running_var")
-        check_distinct({"running_mean": running_mean, "running_var": running_var})
-    params.update(
-        _norm_params(
-            axes=axes,
-            view_shape=tuple(x.shape),
-            param_shape=param_shape,
-            use_batch_stats=training,
-            update_running=update,
-            momentum=momentum,
-            mixed=mixed,
-            kind="batch_norm",
-            channel_axis=axis,
-        )
-    )
-    arrays = {"x": x, "weight": weight, "bias": bias, "running_mean": running_mean, "running_var": running_var}
-    call = make_call("batch_norm", arrays, params, family=family, device=device, dtype=dtype, layout=layout)
-    return Prepared(
-        call,
-        _NORM_FIELDS,
-        {"x": x, "weight": weight, "bias": bias},
-        finish=_finish_with_stats(running_mean, running_var, return_stats),
-        mutates=update and not return_stats,
+    return _prepare_running_norm(
+        "batch_norm", x, weight, bias, running_mean, running_var, channel_axis=channel_axis, eps=eps,
+        activation=activation, momentum=momentum, return_stats=return_stats, use_stats=training,
+        use_stats_name="training", min_ndim=(2, "(N, C, ...)"), first_axis=0, stats_batch_axis=None,
+        too_few="x of shape {shape} has one value per channel; batch statistics need more than 1 value per "
+                "channel when training",
     )
 
 
@@ -753,43 +763,11 @@ def instance_norm(
         ``pnn.capabilities()`` lists them.  ``pnn.explain`` reports which one a call
         runs and why the others were passed over.
     """
-    named = {"x": x, "weight": weight, "bias": bias, "running_mean": running_mean, "running_var": running_var}
-    _, family, device, dtype, mixed = _check_arrays(named, ("weight", "bias", "running_mean", "running_var"))
-    check_min_ndim(x, "x", 3, "(N, C, *spatial) with at least one spatial axis")
-    axis, layout, channels, param_shape = _channel_plan(x, channel_axis)
-    _per_channel(x, weight, "weight", channels)
-    _per_channel(x, bias, "bias", channels)
-    _check_running(x, running_mean, running_var, channels)
-    params = _common_params(eps, activation)
-    use_input_stats = check_bool(use_input_stats, "use_input_stats")
-    momentum = check_fraction(momentum, "momentum")
-    return_stats = check_bool(return_stats, "return_stats")
-    axes = tuple(i for i in range(1, x.ndim) if i != axis)
-    spatial = 1
-    for i in axes:
-        spatial *= int(x.shape[i])
-    if not use_input_stats and running_mean is None:
-        raise ValueError("running_mean and running_var are required when use_input_stats=False")
-    if use_input_stats and spatial == 1:
-        raise ValueError(
-            f"x of shape {tuple(x.shape)} has 1 spatial element; instance statistics need "
-            "more than 1 spatial element when use_input_stats=True"
-        )
-    update = use_input_stats and running_mean is not None
-    if update and not return_stats:
-        check_writable(running_mean, "running_mean")
-        check_writable(running_var, "running_var")
-        check_distinct({"running_mean": running_mean, "running_var": running_var})
-    params.update(
-        _norm_params(axes=axes, view_shape=tuple(x.shape), param_shape=param_shape,
-                     use_batch_stats=use_input_stats, update_running=update, stats_batch_axis=0,
-                     momentum=momentum, mixed=mixed, kind="instance_norm", channel_axis=axis)
-    )
-    call = make_call("instance_norm", named, params, family=family, device=device, dtype=dtype, layout=layout)
-    return Prepared(
-        call,
-        _NORM_FIELDS,
-        {"x": x, "weight": weight, "bias": bias},
-        finish=_finish_with_stats(running_mean, running_var, return_stats),
-        mutates=update and not return_stats,
+    return _prepare_running_norm(
+        "instance_norm", x, weight, bias, running_mean, running_var, channel_axis=channel_axis, eps=eps,
+        activation=activation, momentum=momentum, return_stats=return_stats, use_stats=use_input_stats,
+        use_stats_name="use_input_stats", min_ndim=(3, "(N, C, *spatial) with at least one spatial axis"),
+        first_axis=1, stats_batch_axis=0,
+        too_few="x of shape {shape} has 1 spatial element; instance statistics need more than 1 spatial "
+                "element when use_input_stats=True",
     )
