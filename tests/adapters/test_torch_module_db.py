@@ -17,6 +17,8 @@ with warnings.catch_warnings():
 
 import portable_nn.torch as pt  # noqa: E402
 
+from .torch_samples_testing import clone  # noqa: E402
+
 #: Every drop-in module with a ModuleInfo in torch 2.13's module_db.
 OURS = sorted(info.module_cls.__name__ for info in module_db if info.module_cls.__name__ in pt.__all__)
 INFOS = {info.module_cls.__name__: info for info in module_db if info.module_cls.__name__ in OURS}
@@ -24,16 +26,6 @@ INFOS = {info.module_cls.__name__: info for info in module_db if info.module_cls
 #: What the drop-ins refuse with NotImplementedError today (and the argument that makes them).
 KNOWN_GAPS = {"LSTM": "proj_size", "MaxPool1d": "return_indices", "MaxPool2d": "return_indices",
               "MaxPool3d": "return_indices"}
-
-
-def _clone(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone().requires_grad_(value.requires_grad)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_clone(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    return value
 
 
 def _tensors(value) -> list:
@@ -76,7 +68,7 @@ def test_module_samples_match_torch(name):
                 continue
             ours = ours.to(torch.float64).train(training)
             ours.load_state_dict(ref.state_dict())
-            args, kwargs = _clone(fwd.args), _clone(fwd.kwargs)
+            args, kwargs = clone(fwd.args), clone(fwd.kwargs)
             want = ref(*fwd.args, **fwd.kwargs)
             got = ours(*args, **kwargs)
             want_t, got_t = _tensors(want), _tensors(got)

@@ -19,6 +19,8 @@ with warnings.catch_warnings():
 
 import portable_nn.torch as pt  # noqa: E402
 
+from .torch_samples_testing import clone  # noqa: E402
+
 
 class Refused(Exception):
     """A sample using an argument portable_nn does not offer (a documented gap)."""
@@ -162,20 +164,11 @@ def _refusal(exc: Exception) -> str | None:
         return next((reason for reason, text in STRICTER.items() if str(exc).startswith(text)), None)
     return None
 
+
 INFOS = {}
 for _info in op_db:
     if _info.name in OURS and not _info.variant_test_name and _info.name not in INFOS:
         INFOS[_info.name] = _info
-
-
-def _clone(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone().requires_grad_(value.requires_grad)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_clone(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    return value
 
 
 def _leaves(value) -> list:
@@ -200,7 +193,7 @@ def test_op_samples_match_torch(name):
         warnings.simplefilter("ignore")
         samples = list(info.sample_inputs("cpu", torch.float64, requires_grad=True))
     for sample in samples:
-        x, args, kw = _clone(sample.input), _clone(tuple(sample.args)), _clone(dict(sample.kwargs))
+        x, args, kw = clone(sample.input), clone(tuple(sample.args)), clone(dict(sample.kwargs))
         try:
             got = ours(x, args, kw)
         except (Refused, ValueError) as exc:
