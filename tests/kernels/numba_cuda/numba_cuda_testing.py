@@ -37,6 +37,18 @@ def run_simulator(script: str) -> dict[str, dict]:
     return results
 
 
+def assert_simulated(results: dict[str, dict], case_id: str, compared: bool = False) -> None:
+    """One simulator case reported, without error, every relative error within its tolerance (and,
+    with ``compared``, at least one quantity compared)."""
+    r = results.get(case_id)
+    assert r is not None, f"{case_id} did not report"
+    assert "error" not in r, r.get("traceback", r.get("error"))
+    if compared:
+        assert r["errors"], "nothing was compared"
+    bad = {k: v for k, v in r["errors"].items() if not v <= r["tol"]}
+    assert not bad, f"relative errors above {r['tol']:.0e}: {bad}"
+
+
 def _gpu_vjp_check(fn, gargs, hargs, kw, tol, wrt=None):
     """Forward and gradients of ``fn`` forced onto numba_cuda (CuPy) against the float64 reference."""
     import cupy

@@ -20,7 +20,7 @@ import portable_nn as pnn
 from portable_nn import dispatch
 
 from . import _rnn_sim_checks as sim
-from .numba_cuda_testing import HAS_NUMBA_CUDA, needs_numba_cuda, run_simulator, target_device  # noqa: F401  (fixture)
+from .numba_cuda_testing import HAS_NUMBA_CUDA, assert_simulated, needs_numba_cuda, run_simulator, target_device  # noqa: F401  (fixture)
 
 OPS = (*sim.CELLS, *sim.SEQUENCES)
 
@@ -28,52 +28,14 @@ OPS = (*sim.CELLS, *sim.SEQUENCES)
 # --------------------------------------------------------------------------- declarations
 
 
-def _declare() -> None:
-    """The ``register_builtin`` block of ``kernels_gpu/numba_cuda/__init__.py`` for the recurrent ops."""
-    from kernels_gpu.numba_cuda import _PKG, GPU_SUPPORT, NUMBA_CUDA_PRIORITY
-    from portable_nn.dispatch import Support, register_builtin
-
-    for op in OPS:
-        kind = "cell" if op in sim.CELLS else "sequence"
-        register_builtin(
-            op,
-            "numba_cuda",
-            forward=f"{_PKG}.rnn:{kind}_forward",
-            backward=f"{_PKG}.rnn:{kind}_backward",
-            supports=Support(
-                dtypes=("float32", "float64"),
-                mixed_precision=False,
-                description="every argument (both GRU forms, stacked, bidirectional, batch_first, lengths); "
-                            "one GEMM + one fused kernel per step",
-                **GPU_SUPPORT,
-            ),
-            priority=NUMBA_CUDA_PRIORITY,
-        )
-
-
 def _ours(op):
     return next((i for i in dispatch.implementations(op) if i.backend == "numba_cuda"), None)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def declared():
-    """The ops declared on numba_cuda while this module's tests run (the registry restored afterwards)."""
-    before = {op: list(dispatch.implementations(op)) for op in OPS}
-    if all(_ours(op) is not None for op in OPS):
-        yield
-        return
-    with pytest.MonkeyPatch.context() as mp:
-        for op in OPS:
-            mp.setitem(dispatch._registry, op, list(dispatch._registry.get(op, [])))
-        _declare()
-        yield
-    dispatch._forget_choices()
-    assert {op: list(dispatch.implementations(op)) for op in OPS} == before
 
 
 @pytest.mark.parametrize("op", OPS)
 def test_declared_support(op):
     impl = _ours(op)
+    assert impl is not None, f"{op} is not declared on numba_cuda (kernels_gpu/numba_cuda/__init__.py)"
     s = impl.supports
     assert s.families == ("cupy", "torch") and s.devices == ("cuda",) and s.native == "cupy" and s.contiguous
     assert set(s.dtypes) == {"float32", "float64"} and not s.mixed_precision
@@ -160,12 +122,7 @@ def simulator_results():
 @needs_numba_cuda
 @pytest.mark.parametrize("case_id", sim.CASES)
 def test_simulator_matches_reference(case_id, simulator_results):
-    r = simulator_results.get(case_id)
-    assert r is not None, f"{case_id} did not report"
-    assert "error" not in r, r.get("traceback", r.get("error"))
-    assert r["errors"], "nothing was compared"
-    bad = {k: v for k, v in r["errors"].items() if not v <= r["tol"]}
-    assert not bad, f"relative errors above {r['tol']:.0e}: {bad}"
+    assert_simulated(simulator_results, case_id, compared=True)
 
 
 @needs_numba_cuda

@@ -14,7 +14,7 @@ import portable_nn as pnn
 from portable_nn import dispatch
 
 from . import _sim_checks as sim
-from .numba_cuda_testing import HAS_NUMBA_CUDA, HERE, needs_numba_cuda, run_simulator, target_device  # noqa: F401  (fixture)
+from .numba_cuda_testing import HAS_NUMBA_CUDA, HERE, assert_simulated, needs_numba_cuda, run_simulator, target_device  # noqa: F401  (fixture)
 
 NORMS = ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm")
 
@@ -123,11 +123,7 @@ def simulator_results():
 @needs_numba_cuda
 @pytest.mark.parametrize("case_id", sim.CASES)
 def test_simulator_matches_reference(case_id, simulator_results):
-    r = simulator_results.get(case_id)
-    assert r is not None, f"{case_id} did not report"
-    assert "error" not in r, r.get("traceback", r.get("error"))
-    bad = {k: v for k, v in r["errors"].items() if not v <= r["tol"]}
-    assert not bad, f"relative errors above {r['tol']:.0e}: {bad}"
+    assert_simulated(simulator_results, case_id)
 
 
 @needs_numba_cuda
