@@ -17,18 +17,15 @@ arguments).  ``CASES`` (ids) is importable without the simulator.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import time
 from collections.abc import Callable
 
 import numpy as np
 
 try:
-    from ._sim_checks import as_f64, rel  # imported by the tests, as part of their package
+    from ._sim_checks import as_f64, rel, run_cases  # imported by the tests, as part of their package
 except ImportError:
-    from _sim_checks import as_f64, rel  # run as a script: its own folder is on sys.path
+    from _sim_checks import as_f64, rel, run_cases  # run as a script: its own folder is on sys.path
 
 #: Backend name the simulator registration uses.
 SIM_BACKEND = "numba_cuda_sim"
@@ -261,23 +258,7 @@ CASES = tuple(_REGISTRY)
 
 
 def main(argv: list[str]) -> int:
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
-        print("run with NUMBA_ENABLE_CUDASIM=1", file=sys.stderr)
-        return 2
-    register_for_simulator()
-    selected = [c for c in CASES if not argv or any(a in c for a in argv)]
-    for name in selected:
-        start = time.perf_counter()
-        try:
-            result = _REGISTRY[name]()
-        except Exception as exc:  # reported per case, so one failure does not hide the others
-            import traceback
-
-            result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-        result["id"] = name
-        result["seconds"] = round(time.perf_counter() - start, 3)
-        print(json.dumps(result), flush=True)
-    return 0
+    return run_cases(_REGISTRY, argv, setup=register_for_simulator)
 
 
 if __name__ == "__main__":

@@ -519,15 +519,20 @@ case("conv/bfloat16-nhwc/small")(
 CASES = tuple(_REGISTRY)
 
 
-def main(argv: list[str]) -> int:
+def run_cases(registry: dict[str, Callable[[], dict]], argv: list[str],
+              setup: Callable[[], None] | None = None) -> int:
+    """Run the cases of ``registry`` whose ids contain one of ``argv`` (all without), one JSON line
+    each; 2 outside the simulator.  ``setup`` runs first (the recurrent checks register kernels)."""
     if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
         print("run with NUMBA_ENABLE_CUDASIM=1", file=sys.stderr)
         return 2
-    selected = [c for c in CASES if not argv or any(a in c for a in argv)]
+    if setup is not None:
+        setup()
+    selected = [c for c in registry if not argv or any(a in c for a in argv)]
     for name in selected:
         start = time.perf_counter()
         try:
-            result = _REGISTRY[name]()
+            result = registry[name]()
         except Exception as exc:  # reported per case, so one failure does not hide the others
             import traceback
 
@@ -536,6 +541,10 @@ def main(argv: list[str]) -> int:
         result["seconds"] = round(time.perf_counter() - start, 3)
         print(json.dumps(result), flush=True)
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return run_cases(_REGISTRY, argv)
 
 
 if __name__ == "__main__":
