@@ -278,6 +278,21 @@ def directional_check(
         )
 
 
+def check_pullback_plumbing(pullback: Callable[..., Any], dy: Any, inputs: Mapping[str, Any]) -> Any:
+    """A pullback called twice gives the same gradients, and with ``out=`` (a buffer like each of
+    ``inputs``, by gradient name) writes them into those buffers and returns them; the gradients."""
+    grads = pullback(dy)
+    again = pullback(dy)
+    for name in grads._fields:
+        np.testing.assert_array_equal(getattr(grads, name), getattr(again, name))
+    buffers = {name: np.empty_like(value) for name, value in inputs.items()}
+    got = pullback(dy, out=buffers)
+    for name, buffer in buffers.items():
+        assert getattr(got, name) is buffer, name
+        np.testing.assert_array_equal(buffer, getattr(grads, name))
+    return grads
+
+
 def snapshot(arrays: Iterable[Any]) -> list[Any]:
     """Copies of arrays (to check later that nothing was mutated)."""
     return [None if a is None else to_numpy(a).copy() for a in arrays]

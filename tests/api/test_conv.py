@@ -14,6 +14,7 @@ import portable_nn as pnn
 from pnn_testing import (
     assert_close,
     cases,
+    check_pullback_plumbing,
     directional_check,
     family_of,
     grid,
@@ -311,15 +312,7 @@ def test_vjp_wrt_out_buffers_and_repeated_pullbacks():
     y, pullback = pnn.vjp(conv, x, w, b, **kwargs)
     np.testing.assert_array_equal(conv(x, w, b, **kwargs), y)
     dy = rng.standard_normal(y.shape)
-    grads = pullback(dy)
-    again = pullback(dy)
-    for name in grads._fields:
-        np.testing.assert_array_equal(getattr(grads, name), getattr(again, name))
-    buffers = {"x": np.empty_like(x), "weight": np.empty_like(w), "bias": np.empty_like(b)}
-    got = pullback(dy, out=buffers)
-    for name, buffer in buffers.items():
-        assert getattr(got, name) is buffer
-        np.testing.assert_array_equal(buffer, getattr(grads, name))
+    grads = check_pullback_plumbing(pullback, dy, {"x": x, "weight": w, "bias": b})
 
     _, pb_params = pnn.vjp(conv, x, w, b, wrt=("weight", "bias"), **kwargs)
     params_only = pb_params(dy)

@@ -12,6 +12,7 @@ import portable_nn as pnn
 from pnn_testing import (
     assert_close,
     cases,
+    check_pullback_plumbing,
     directional_check,
     family_of,
     grid,
@@ -159,15 +160,7 @@ def test_vjp_wrt_out_buffers_and_repeated_pullbacks():
     y, pullback = pnn.vjp(dense, x, w, b, activation="sigmoid")
     np.testing.assert_array_equal(dense(x, w, b, activation="sigmoid"), y)
     dy = rng.standard_normal(y.shape)
-    grads = pullback(dy)
-    again = pullback(dy)
-    for name in grads._fields:
-        np.testing.assert_array_equal(getattr(grads, name), getattr(again, name))
-    buffers = {"x": np.empty_like(x), "weight": np.empty_like(w), "bias": np.empty_like(b)}
-    got = pullback(dy, out=buffers)
-    for name, buffer in buffers.items():
-        assert getattr(got, name) is buffer
-        np.testing.assert_array_equal(buffer, getattr(grads, name))
+    grads = check_pullback_plumbing(pullback, dy, {"x": x, "weight": w, "bias": b})
     _, pb = pnn.vjp(dense, x, w, b, activation="sigmoid", wrt=("weight", "bias"))
     params_only = pb(dy)
     assert params_only.x is None
