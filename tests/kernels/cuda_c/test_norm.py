@@ -38,6 +38,12 @@ NORM_SETTINGS = {
 }
 
 
+def _use_settings(monkeypatch, settings: dict) -> None:
+    """The launcher's module settings for this test (restored afterwards)."""
+    for key, value in settings.items():
+        monkeypatch.setattr(cnorm, key, value)
+
+
 def norm_specs():
     """(id, op, args, kwargs) covering every norm, layout, parameter and statistics option."""
     r = _rng()
@@ -110,8 +116,7 @@ def _needs_for(call):
 @pytest.mark.parametrize("settings", list(NORM_SETTINGS))
 @pytest.mark.parametrize("spec", NORM_SPECS, ids=[s[0] for s in NORM_SPECS])
 def test_norm_launches_match_the_kernels(spec, settings, monkeypatch):
-    for key, value in NORM_SETTINGS[settings].items():
-        monkeypatch.setattr(cnorm, key, value)
+    _use_settings(monkeypatch, NORM_SETTINGS[settings])
     _, op, args, kwargs = spec
     for dtype, mixed in NORM_DTYPES:
         call = _call(op, args, kwargs, dtype, mixed)
@@ -157,8 +162,7 @@ def _emulated_norm_case(spec, dtype, mixed):
 @pytest.mark.parametrize("spec", NORM_SPECS, ids=[s[0] for s in NORM_SPECS])
 def test_emulated_norm_every_dtype(spec, monkeypatch):
     """Every norm and dtype on the CPU emulator, small blocks: multi-block and merging passes run."""
-    for key, value in NORM_SETTINGS["small"].items():
-        monkeypatch.setattr(cnorm, key, value)
+    _use_settings(monkeypatch, NORM_SETTINGS["small"])
     for dtype, mixed in NORM_DTYPES:
         _emulated_norm_case(spec, dtype, mixed)
 
@@ -167,8 +171,7 @@ def test_emulated_norm_every_dtype(spec, monkeypatch):
 @pytest.mark.parametrize("settings", ["default", "row", "column", "scalar"])
 @pytest.mark.parametrize("spec", NORM_SPECS, ids=[s[0] for s in NORM_SPECS])
 def test_emulated_norm_every_path(spec, settings, monkeypatch):
-    for key, value in NORM_SETTINGS[settings].items():
-        monkeypatch.setattr(cnorm, key, value)
+    _use_settings(monkeypatch, NORM_SETTINGS[settings])
     _emulated_norm_case(spec, "float32", False)
 
 
@@ -288,8 +291,7 @@ def test_contiguous_rows_respect_the_kernels_thread_limit(monkeypatch):
 
 @pytest.mark.parametrize("settings", ["default", "small"])
 def test_norm_zero_size(settings, monkeypatch):
-    for key, value in NORM_SETTINGS[settings].items():
-        monkeypatch.setattr(cnorm, key, value)
+    _use_settings(monkeypatch, NORM_SETTINGS[settings])
     call = _call("batch_norm", (np.zeros((0, 3, 4)), np.ones(3), np.zeros(3)), {})
     with recording() as launches:
         (y, _, _), res = cnorm.norm_forward(call)
@@ -312,8 +314,7 @@ def test_norm_backward_writes_into_given_buffers():
 @pytest.mark.parametrize("shape", [(1, 1, 1, 1), (1, 7, 3, 1), (2, 1, 5, 100), (3, 50, 4, 2), (1, 1000, 2, 1),
                                    (100, 3, 2, 40), (0, 4, 3, 2), (2, 0, 3, 5)])
 def test_norm_plan_covers_every_row(shape, settings, monkeypatch):
-    for key, value in NORM_SETTINGS[settings].items():
-        monkeypatch.setattr(cnorm, key, value)
+    _use_settings(monkeypatch, NORM_SETTINGS[settings])
     plan = cnorm.make_plan(shape, 1, 1)
     nn, pp, _, qq = shape
     assert plan.column == (qq < cnorm.COLUMN_MODE_BELOW and pp > 1)
@@ -334,8 +335,7 @@ def test_norm_plan_covers_every_row(shape, settings, monkeypatch):
 @pytest.mark.parametrize("dtype,mixed", NORM_DTYPES, ids=[f"{d}{'+f32' if m else ''}" for d, m in NORM_DTYPES])
 @pytest.mark.parametrize("spec", NORM_SPECS, ids=[s[0] for s in NORM_SPECS])
 def test_gpu_norm_matches_reference(spec, dtype, mixed, settings, monkeypatch):
-    for key, value in NORM_SETTINGS[settings].items():
-        monkeypatch.setattr(cnorm, key, value)
+    _use_settings(monkeypatch, NORM_SETTINGS[settings])
     gpu_compare(spec, dtype, mixed, tol_factor=4.0 if dtype in ("float16", "bfloat16") else 1.0)
 
 
@@ -344,8 +344,7 @@ def test_gpu_norm_matches_reference(spec, dtype, mixed, settings, monkeypatch):
 def test_gpu_norm_bitwise_deterministic(settings, monkeypatch):
     import cupy
 
-    for key, value in NORM_SETTINGS[settings].items():
-        monkeypatch.setattr(cnorm, key, value)
+    _use_settings(monkeypatch, NORM_SETTINGS[settings])
     r = _rng(3)
     x = cupy.asarray(r.standard_normal((64, 32, 9)).astype(np.float32))
     dy = cupy.asarray(r.standard_normal((64, 32, 9)).astype(np.float32))
@@ -415,8 +414,7 @@ def _moment_cotangents(outputs, which, seed=11):
 @pytest.mark.parametrize("settings", list(MOMENT_SETTINGS))
 @pytest.mark.parametrize("spec", MOMENT_SPECS, ids=[s[0] for s in MOMENT_SPECS])
 def test_moments_launches_match_the_kernels(spec, settings, monkeypatch):
-    for key, value in MOMENT_SETTINGS[settings].items():
-        monkeypatch.setattr(cnorm, key, value)
+    _use_settings(monkeypatch, MOMENT_SETTINGS[settings])
     _, op, args, kwargs = spec
     for dtype, _ in ALL_DTYPES:
         call = _call(op, args, kwargs, dtype)
@@ -437,8 +435,7 @@ def test_moments_launches_match_the_kernels(spec, settings, monkeypatch):
 @pytest.mark.parametrize("spec", MOMENT_SPECS, ids=[s[0] for s in MOMENT_SPECS])
 def test_emulated_moments(spec, settings, monkeypatch):
     """Every path and dtype on the CPU emulator against the reference (None cotangents as zeros)."""
-    for key, value in MOMENT_SETTINGS[settings].items():
-        monkeypatch.setattr(cnorm, key, value)
+    _use_settings(monkeypatch, MOMENT_SETTINGS[settings])
     _, op, args, kwargs = spec
     dtypes = ALL_DTYPES if settings == "small" else [("float32", False), ("float64", False)]
     for dtype, _ in dtypes:
@@ -480,8 +477,7 @@ def test_moments_path_choice(shape, axes, path):
 @pytest.mark.parametrize("settings", ["default", "small"])
 @pytest.mark.parametrize("spec", MOMENT_SPECS, ids=[s[0] for s in MOMENT_SPECS])
 def test_gpu_moments_match_reference(spec, settings, dtype, monkeypatch):
-    for key, value in MOMENT_SETTINGS[settings].items():
-        monkeypatch.setattr(cnorm, key, value)
+    _use_settings(monkeypatch, MOMENT_SETTINGS[settings])
     gpu_compare(spec, dtype, False, tol=MOMENT_TOL[dtype])
 
 
@@ -490,8 +486,7 @@ def test_gpu_moments_match_reference(spec, settings, dtype, monkeypatch):
 def test_gpu_moments_bitwise_deterministic(settings, monkeypatch):
     import cupy
 
-    for key, value in MOMENT_SETTINGS[settings].items():
-        monkeypatch.setattr(cnorm, key, value)
+    _use_settings(monkeypatch, MOMENT_SETTINGS[settings])
     x = cupy.asarray(_rng(3).standard_normal((64, 32, 9)).astype(np.float32))
     results = []
     with pnn.use_backend("cupy"):
@@ -531,8 +526,7 @@ def _special_value_specs():
 def test_emulated_norm_special_values(spec, settings, monkeypatch):
     """A variance made NaN by ±inf or NaN data stays NaN: the kernels clamped it to 0 (a rounding
     guard), giving ±inf outputs where PyTorch and the reference give NaN."""
-    for key, value in NORM_SETTINGS[settings].items():
-        monkeypatch.setattr(cnorm, key, value)
+    _use_settings(monkeypatch, NORM_SETTINGS[settings])
     _, op, args, kwargs = spec
     call = _call(op, args, kwargs, "float32", False)
     with emulating():
