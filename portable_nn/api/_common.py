@@ -278,6 +278,23 @@ def floating_dtype(xp: Any, value: Any, name: str) -> str:
     return dname
 
 
+def check_layer_arrays(named: dict[str, Any], optional: tuple[str, ...]) -> tuple[Any, str, str, str, bool]:
+    """The checks every op with parameters starts with: arrays (those in ``optional`` may be None),
+    one library and device, floating x, parameters of x's dtype or the allowed mix.
+
+    Returns ``(xp, family, device, x dtype name, mixed precision)``.
+    """
+    for name, value in named.items():
+        check_array(value, name, optional=name in optional)
+    family, device = check_same_library(named)
+    x = named["x"]
+    xp = _arrays.namespace(x)
+    dtype = floating_dtype(xp, x, "x")
+    params = {k: v for k, v in named.items() if k != "x"}
+    mixed = check_param_dtypes(xp, dtype, params)
+    return xp, family, device, dtype, mixed
+
+
 def check_param_dtypes(xp: Any, x_dtype: str, named: Mapping[str, Any], x_name: str = "x") -> bool:
     """Check parameters share ``x``'s dtype, or are float32 for half ``x``.
 

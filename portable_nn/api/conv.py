@@ -23,15 +23,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _arrays
 from ._common import (
     Prepared,
-    check_array,
     check_int,
-    check_param_dtypes,
-    check_same_library,
+    check_layer_arrays,
     check_shape,
-    floating_dtype,
     make_call,
     per_axis,
     public_op,
@@ -176,12 +172,7 @@ def conv(
         passed over.
     """
     named = {"x": x, "weight": weight, "bias": bias}
-    for name, value in named.items():
-        check_array(value, name, optional=name == "bias")
-    family, device = check_same_library(named)
-    xp = _arrays.namespace(x)
-    dtype = floating_dtype(xp, x, "x")
-    mixed = check_param_dtypes(xp, dtype, {"weight": weight, "bias": bias})
+    _, family, device, dtype, mixed = check_layer_arrays(named, ("bias",))
 
     if weight.ndim not in (3, 4, 5):
         raise ValueError(

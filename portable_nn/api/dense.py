@@ -10,14 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _arrays
 from ._common import (
     Prepared,
-    check_array,
-    check_param_dtypes,
-    check_same_library,
+    check_layer_arrays,
     check_shape,
-    floating_dtype,
     make_call,
     public_op,
 )
@@ -73,12 +69,7 @@ def dense(x: Array, weight: Array, bias: Array | None = None, *, activation: Act
         call runs and why the others were passed over.
     """
     named = {"x": x, "weight": weight, "bias": bias}
-    for name, value in named.items():
-        check_array(value, name, optional=name == "bias")
-    family, device = check_same_library(named)
-    xp = _arrays.namespace(x)
-    dtype = floating_dtype(xp, x, "x")
-    mixed = check_param_dtypes(xp, dtype, {"weight": weight, "bias": bias})
+    _, family, device, dtype, mixed = check_layer_arrays(named, ("bias",))
     if weight.ndim != 2:
         raise ValueError(f"weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
     if x.ndim < 1:

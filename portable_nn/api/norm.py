@@ -24,8 +24,8 @@ from ._common import (
     check_distinct,
     check_fraction,
     check_int,
+    check_layer_arrays,
     check_min_ndim,
-    check_param_dtypes,
     check_positive_float,
     check_same_library,
     check_shape,
@@ -54,22 +54,6 @@ _NORM_FIELDS = ("x", "weight", "bias")
 
 
 # --------------------------------------------------------------------------- shared validation
-
-
-def _check_arrays(named: dict[str, Any], optional: tuple[str, ...]) -> tuple[Any, str, str, str, bool]:
-    """Common checks: arrays, one library and device, floating x, allowed dtype mix.
-
-    Returns ``(xp, family, device, x dtype name, mixed precision)``.
-    """
-    for name, value in named.items():
-        check_array(value, name, optional=name in optional)
-    family, device = check_same_library(named)
-    x = named["x"]
-    xp = _arrays.namespace(x)
-    dtype = floating_dtype(xp, x, "x")
-    params = {k: v for k, v in named.items() if k != "x"}
-    mixed = check_param_dtypes(xp, dtype, params)
-    return xp, family, device, dtype, mixed
 
 
 def _channel_plan(x: Any, channel_axis: Any) -> tuple[int, str, int, tuple[int, ...]]:
@@ -184,7 +168,7 @@ def _prepare_running_norm(
     refuses statistics of a single value.
     """
     named = {"x": x, "weight": weight, "bias": bias, "running_mean": running_mean, "running_var": running_var}
-    _, family, device, dtype, mixed = _check_arrays(named, ("weight", "bias", "running_mean", "running_var"))
+    _, family, device, dtype, mixed = check_layer_arrays(named, ("weight", "bias", "running_mean", "running_var"))
     check_min_ndim(x, "x", *min_ndim)
     axis, layout, channels, param_shape = _channel_plan(x, channel_axis)
     _per_channel(x, weight, "weight", channels)
@@ -521,7 +505,7 @@ def layer_norm(
         where ``pnn.capabilities()`` lists them.  ``pnn.explain`` reports which one a
         call runs and why the others were passed over.
     """
-    _, family, device, dtype, mixed = _check_arrays({"x": x, "weight": weight, "bias": bias}, ("weight", "bias"))
+    _, family, device, dtype, mixed = check_layer_arrays({"x": x, "weight": weight, "bias": bias}, ("weight", "bias"))
     check_min_ndim(x, "x", 1, "the normalised axes")
     axes = _trailing_axes(axis, x)
     normalized = tuple(int(x.shape[i]) for i in axes)
@@ -579,7 +563,7 @@ def rms_norm(x: Array, weight: Array | None = None, *, axis: Axes = -1, eps: flo
         where ``pnn.capabilities()`` lists them.  ``pnn.explain`` reports which one a
         call runs and why the others were passed over.
     """
-    _, family, device, dtype, mixed = _check_arrays({"x": x, "weight": weight}, ("weight",))
+    _, family, device, dtype, mixed = check_layer_arrays({"x": x, "weight": weight}, ("weight",))
     check_min_ndim(x, "x", 1, "the normalised axes")
     axes = _trailing_axes(axis, x)
     normalized = tuple(int(x.shape[i]) for i in axes)
@@ -658,7 +642,7 @@ def group_norm(
         ``pnn.capabilities()`` lists them.  ``pnn.explain`` reports which one a call
         runs and why the others were passed over.
     """
-    _, family, device, dtype, mixed = _check_arrays({"x": x, "weight": weight, "bias": bias}, ("weight", "bias"))
+    _, family, device, dtype, mixed = check_layer_arrays({"x": x, "weight": weight, "bias": bias}, ("weight", "bias"))
     check_min_ndim(x, "x", 2, "(N, C, ...)")
     axis, layout, channels, _ = _channel_plan(x, channel_axis)
     groups = check_int(num_groups, "num_groups", minimum=1)
