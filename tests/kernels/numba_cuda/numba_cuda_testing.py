@@ -37,6 +37,17 @@ def run_simulator(script: str) -> dict[str, dict]:
     return results
 
 
+def assert_compiles_to_ptx(spec, signature: str, cc: tuple[int, int], target_device) -> None:
+    """The kernel of ``spec`` compiles for ``signature`` to PTX for compute capability ``cc`` (the
+    ``target_device`` fixture stands in for the device numba-cuda asks about while typing)."""
+    from numba import cuda
+
+    target_device.compute_capability = cc
+    ptx, _ = cuda.compile_ptx(spec.py_func, signature, cc=cc)
+    assert f".target sm_{cc[0]}{cc[1]}" in ptx
+    assert ".entry" in ptx
+
+
 def assert_simulated(results: dict[str, dict], case_id: str, compared: bool = False) -> None:
     """One simulator case reported, without error, every relative error within its tolerance (and,
     with ``compared``, at least one quantity compared)."""

@@ -20,7 +20,14 @@ import portable_nn as pnn
 from portable_nn import dispatch
 
 from . import _rnn_sim_checks as sim
-from .numba_cuda_testing import HAS_NUMBA_CUDA, assert_simulated, needs_numba_cuda, run_simulator, target_device  # noqa: F401  (fixture)
+from .numba_cuda_testing import (  # noqa: F401  (fixture)
+    HAS_NUMBA_CUDA,
+    assert_compiles_to_ptx,
+    assert_simulated,
+    needs_numba_cuda,
+    run_simulator,
+    target_device,
+)
 
 OPS = (*sim.CELLS, *sim.SEQUENCES)
 
@@ -103,12 +110,7 @@ def test_every_rnn_kernel_is_declared_for_both_dtypes():
 @needs_numba_cuda
 @pytest.mark.parametrize(("spec", "signature", "cc"), _ptx_params())
 def test_rnn_kernel_compiles_to_ptx(spec, signature, cc, target_device):
-    from numba import cuda
-
-    target_device.compute_capability = cc
-    ptx, _ = cuda.compile_ptx(spec.py_func, signature, cc=cc)
-    assert f".target sm_{cc[0]}{cc[1]}" in ptx
-    assert ".entry" in ptx
+    assert_compiles_to_ptx(spec, signature, cc, target_device)
 
 
 # --------------------------------------------------------------------------- simulator

@@ -14,7 +14,15 @@ import portable_nn as pnn
 from portable_nn import dispatch
 
 from . import _sim_checks as sim
-from .numba_cuda_testing import HAS_NUMBA_CUDA, HERE, assert_simulated, needs_numba_cuda, run_simulator, target_device  # noqa: F401  (fixture)
+from .numba_cuda_testing import (  # noqa: F401  (fixture)
+    HAS_NUMBA_CUDA,
+    HERE,
+    assert_compiles_to_ptx,
+    assert_simulated,
+    needs_numba_cuda,
+    run_simulator,
+    target_device,
+)
 
 NORMS = ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm")
 
@@ -90,12 +98,7 @@ def _ptx_params():
 @needs_numba_cuda
 @pytest.mark.parametrize(("spec", "signature", "cc"), _ptx_params())
 def test_kernel_compiles_to_ptx(spec, signature, cc, target_device):
-    from numba import cuda
-
-    target_device.compute_capability = cc
-    ptx, _ = cuda.compile_ptx(spec.py_func, signature, cc=cc)
-    assert f".target sm_{cc[0]}{cc[1]}" in ptx
-    assert ".entry" in ptx
+    assert_compiles_to_ptx(spec, signature, cc, target_device)
 
 
 def test_every_kernel_is_declared_with_signatures():
