@@ -18,14 +18,13 @@ arguments).  ``CASES`` (ids) is importable without the simulator.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 
 import numpy as np
 
 try:
-    from ._sim_checks import as_f64, rel, run_cases  # imported by the tests, as part of their package
+    from ._sim_checks import as_f64, case_registry, rel, run_cases  # imported by the tests, as part of their package
 except ImportError:
-    from _sim_checks import as_f64, rel, run_cases  # run as a script: its own folder is on sys.path
+    from _sim_checks import as_f64, case_registry, rel, run_cases  # run as a script: its own folder is on sys.path
 
 #: Backend name the simulator registration uses.
 SIM_BACKEND = "numba_cuda_sim"
@@ -38,15 +37,7 @@ _TOL = {"float64": 1e-11, "float32": 2e-5}
 CELLS = ("rnn_cell", "lstm_cell", "gru_cell")
 SEQUENCES = ("rnn", "lstm", "gru")
 
-_REGISTRY: dict[str, Callable[[], dict]] = {}
-
-
-def case(name: str) -> Callable[[Callable[[], dict]], Callable[[], dict]]:
-    def wrap(fn: Callable[[], dict]) -> Callable[[], dict]:
-        _REGISTRY[name] = fn
-        return fn
-
-    return wrap
+_REGISTRY, case = case_registry()
 
 
 def register_for_simulator() -> None:

@@ -26,15 +26,21 @@ SMALL = {"block": 8, "tile_x": 4, "tile_y": 4, "target_blocks": 64, "row_max": 4
 #: The default settings' paths on tiny inputs (one block per group), with a small block still.
 ROWS = {"block": 8, "tile_x": 4, "tile_y": 4}
 
-_REGISTRY: dict[str, Callable[[], dict]] = {}
+def case_registry() -> tuple[dict[str, Callable[[], dict]], Callable[[str], Callable]]:
+    """A registry of simulator cases and its ``case(name)`` decorator (each checks file keeps its own)."""
+    registry: dict[str, Callable[[], dict]] = {}
+
+    def case(name: str) -> Callable[[Callable[[], dict]], Callable[[], dict]]:
+        def wrap(fn: Callable[[], dict]) -> Callable[[], dict]:
+            registry[name] = fn
+            return fn
+
+        return wrap
+
+    return registry, case
 
 
-def case(name: str) -> Callable[[Callable[[], dict]], Callable[[], dict]]:
-    def wrap(fn: Callable[[], dict]) -> Callable[[], dict]:
-        _REGISTRY[name] = fn
-        return fn
-
-    return wrap
+_REGISTRY, case = case_registry()
 
 
 def _rng(seed: int = 0) -> np.random.Generator:
