@@ -175,16 +175,16 @@ def _types(call: Any) -> tuple[str, str]:
 
 def _apply_vec(call: Any, plan: NormPlan, *arrays: Any) -> int:
     """1 when the elementwise kernels can take 16-byte vectors (rows of whole vectors, aligned arrays)."""
-    return int(VECTOR_APPLY and plan.width % (16 // _itemsize(call.dtype)) == 0 and rt.aligned(*arrays))
+    return int(VECTOR_APPLY and plan.width % _lanes(call.dtype) == 0 and rt.aligned(*arrays))
 
 
 def _group_vec(call: Any, plan: NormPlan, *arrays: Any) -> int:
     """1 when the row-mode kernels can walk groups in 16-byte vectors (runs of whole vectors, aligned)."""
-    return int(VECTOR_APPLY and plan.qq % (16 // _itemsize(call.dtype)) == 0 and rt.aligned(*arrays))
+    return int(VECTOR_APPLY and plan.qq % _lanes(call.dtype) == 0 and rt.aligned(*arrays))
 
 
 def _apply_grid(plan: NormPlan, vec: int = 0, dtype: str = "float32") -> tuple[int, int]:
-    per = 16 // _itemsize(dtype) if vec else 1
+    per = _lanes(dtype) if vec else 1
     return rt.blocks(rt.blocks(plan.width, per), APPLY_BLOCK), min(max(plan.nn * plan.pp, 1), 65535)
 
 
@@ -207,7 +207,7 @@ def _column_partials(plan, types, x, dy, w, b, mean, rstd, mode, per_sample, cen
     bx, by = COLUMN_BLOCK
     rt.check_block(bx * by, "COLUMN_BLOCK threads")
     # mode 0 (statistics) is always per sample: the vector form loads each column's shift once
-    width_v = 16 // _CTYPE_SIZE[types[0]]
+    width_v = _LANES[types[0]]
     vec = int(VECTOR_APPLY and (per_sample or mode == 1) and plan.width % width_v == 0 and rt.aligned(x, dy))
     per = width_v if vec else 1
     rt.launch(FAMILY, f"norm_col_partial<{types[0]}, {types[1]}>",
@@ -230,7 +230,7 @@ def _rows_threads(call: Any, plan: NormPlan, kernel: str, vecs: int, *arrays: An
     if not ROWS_PATH or plan.column or plan.splits != 1 or plan.pp != 1 or plan.cc != 1 or plan.ss != 1:
         return None
     n = plan.qq
-    width = 16 // _itemsize(call.dtype)
+    width = _lanes(call.dtype)
     if plan.cg != n or n == 0 or n % width or n > 1024 * width * vecs or not rt.aligned(*arrays):
         return None
     nvec = n // width
@@ -240,11 +240,12 @@ def _rows_threads(call: Any, plan: NormPlan, kernel: str, vecs: int, *arrays: An
     return threads, rt.blocks(nvec, threads)
 
 
-_CTYPE_SIZE = {"float": 4, "double": 8, "pnn_half": 2, "pnn_bf16": 2}
+#: Elements of each storage type in a 16-byte vector (vec_width in norm.cu).
+_LANES = {"float": 4, "double": 2, "pnn_half": 8, "pnn_bf16": 8}
 
 
-def _itemsize(dtype: str) -> int:
-    return 8 if dtype == "float64" else 4 if dtype == "float32" else 2
+def _lanes(dtype: str) -> int:
+    return _LANES[rt.ctype(dtype)]
 
 
 def _rows_shared(acc: str) -> int:
