@@ -106,7 +106,7 @@ register_builtin(
 
 #: What each sequence op runs; all take every argument but GRU's reset_after=False.
 _SEQUENCE = {
-    "lstm": "PyTorch's fused LSTM (oneDNN on CPU for float32/bfloat16, cuDNN on CUDA)",
+    "lstm": "PyTorch's fused LSTM (oneDNN on CPU for float32/bfloat16, cuDNN on CUDA), projections included",
     "rnn": "PyTorch's fused Elman RNN, tanh or relu (cuDNN on CUDA)",
     "gru": "PyTorch's fused GRU, reset_after=True only (cuDNN on CUDA)",
 }

@@ -18,6 +18,7 @@ only (``retain_graph``: a pullback may be called again).
 
 Arguments PyTorch's layers cannot express are declined before this module runs (see
 ``kernels_aten/__init__.py``): GRU ``reset_after=False``, half data with float32 weights.
+LSTM projections (5-tuple params) pass through: ``w_hr`` ends each layer's weight group.
 Biases: PyTorch wants all of them or none; where some are ``None`` and others not, the
 missing ones are passed as zeros (which do not require grad, so their gradient stays
 ``None``) — the same function.  ``T = 0`` (which PyTorch's layers reject) returns empty
@@ -85,13 +86,14 @@ def _function(call: Any) -> Any:
 def _inputs(call: Any, record: frozenset[str]) -> tuple[torch.Tensor, list[list[Any]], list[torch.Tensor]]:
     """(x, per layer and direction the four weights (None where absent), initial states), as leaves."""
     x = call.x
-    states_shape = (call.num_layers * call.num_directions, int(x.shape[0 if call.batch_first else 1]),
-                    call.hidden_size)
+    batch = int(x.shape[0 if call.batch_first else 1])
     names = ("h0", "c0") if call.kind == "lstm" else ("h0",)
     states = []
     for name in names:
         given = call.arrays.get(name)
-        states.append(x.new_zeros(states_shape) if given is None else _leaf(given, name in record))
+        size = _output_size(call) if name == "h0" else call.hidden_size
+        shape = (call.num_layers * call.num_directions, batch, size)
+        states.append(x.new_zeros(shape) if given is None else _leaf(given, name in record))
     weights = [
         [None if call.arrays[name] is None else _leaf(call.arrays[name], "params" in record) for name in row]
         for row in call.param_names
@@ -99,15 +101,22 @@ def _inputs(call: Any, record: frozenset[str]) -> tuple[torch.Tensor, list[list[
     return _leaf(x, "x" in record), weights, states
 
 
+def _output_size(call: Any) -> int:
+    """The size of h and of each direction's outputs: proj_size with LSTM projections, else hidden_size."""
+    return call.params.get("proj_size") or call.hidden_size
+
+
 def _flat_weights(weights: list[list[Any]]) -> tuple[list[torch.Tensor], bool]:
     """PyTorch's flat weight list and ``has_biases``: zeros stand in for ``None`` biases when
-    other biases are given (PyTorch takes all or none)."""
-    has_biases = any(b is not None for row in weights for b in row[2:])
+    other biases are given (PyTorch takes all or none); an LSTM projection ``w_hr`` comes last in
+    each layer's group, as in ``nn.LSTM._flat_weights`` (PyTorch tells projections by the count)."""
+    has_biases = any(b is not None for row in weights for b in row[2:4])
     flat = []
-    for w_ih, w_hh, b_ih, b_hh in weights:
+    for w_ih, w_hh, b_ih, b_hh, *projection in weights:
         flat += [w_ih, w_hh]
         if has_biases:
             flat += [w_hh.new_zeros(w_hh.shape[0]) if b is None else b for b in (b_ih, b_hh)]
+        flat += projection
     return flat, has_biases
 
 
@@ -116,7 +125,7 @@ def _run(call: Any, x: torch.Tensor, weights: list[list[Any]], states: list[torc
     """(outputs, h_n[, c_n]) in the caller's layout."""
     steps = int(x.shape[1 if call.batch_first else 0])
     if steps == 0:  # PyTorch's layers reject empty sequences: nothing runs, the states pass through
-        out_shape = (*x.shape[:2], call.num_directions * call.hidden_size)
+        out_shape = (*x.shape[:2], call.num_directions * _output_size(call))
         return (x.new_zeros(out_shape), *(s.clone() for s in states))
     fn = _function(call)
     flat, has_biases = _flat_weights(weights)

@@ -15,7 +15,7 @@ import importlib.util
 
 from portable_nn.backends import Backend
 from portable_nn.dispatch import Support, register_builtin
-from portable_nn.kernel_checks import int32_pool_positions, int64_ignore_index
+from portable_nn.kernel_checks import int32_pool_positions, int64_ignore_index, no_lstm_projections
 
 #: What every NumPy-native CPU kernel takes: NumPy arrays and CPU torch tensors
 #: (zero-copy views), float32/float64, C-contiguous (strided input is copied,
@@ -75,7 +75,10 @@ for _op, _kind in (("rnn_cell", "cell"), ("lstm_cell", "cell"), ("gru_cell", "ce
         forward=f"kernels_cpu.rnn:{_kind}_forward",
         backward=f"kernels_cpu.rnn:{_kind}_backward",
         supports=Support(
-            description="every argument (both GRU forms, stacked, bidirectional, batch_first, lengths)",
+            check=no_lstm_projections if _op == "lstm" else None,
+            description="every argument but LSTM projections (both GRU forms, stacked, bidirectional, "
+            "batch_first, lengths)" if _op == "lstm" else
+            "every argument (both GRU forms, stacked, bidirectional, batch_first, lengths)",
             **CPU_SUPPORT,
         ),
         priority=NUMBA_PRIORITY,
@@ -122,6 +125,21 @@ for _op in ("max_pool", "avg_pool"):
         priority=NUMBA_PRIORITY,
         scope=CPU_SCOPE,
     )
+
+
+register_builtin(
+    "max_unpool",
+    BACKEND.name,
+    forward="kernels_cpu.pool:unpool_forward",
+    backward="kernels_cpu.pool:unpool_backward",
+    supports=Support(
+        layouts=("channels_first", "channels_last"),
+        description="1-3-D, batched or not; duplicate indices: the last entry wins",
+        **CPU_SUPPORT,
+    ),
+    priority=NUMBA_PRIORITY,
+    scope=CPU_SCOPE,
+)
 
 
 for _op in ("log_softmax", "cross_entropy"):

@@ -49,6 +49,11 @@ tasks are (plane, channel chunk), so that each task owns the ``dx`` it scatters
 into and every element's summation order is fixed: results do not depend on the
 thread count.  Calls below :data:`PARALLEL_MIN_WORK` element visits run serially.
 
+**max_unpool.**  Each task owns one plane (and channel chunk) of ``y``: every position is
+claimed by the last entry (in ``x``'s order) that names it, so the last of duplicate indices
+wins on every thread count, then ``y`` gathers from the claims.  The backward gives each entry
+``dy`` at its index if it holds the claim, else 0 (an overwritten entry does not reach ``y``).
+
 **Supported** (declared in ``kernels_cpu/__init__.py``): NumPy and CPU torch
 float32/float64, C-contiguous (dispatch copies strided input), layouts
 ``channels_first`` and ``channels_last``, batched or unbatched, 1-D to 3-D, every
@@ -595,7 +600,8 @@ def pool_forward(call):
         out_shape[a] = o
     y = np.empty(tuple(out_shape), x.dtype)
     x3, y3 = plan.views(x, y)
-    save = bool(call.save) and is_max
+    indices = is_max and bool(call.params.get("return_indices"))
+    save = (bool(call.save) or indices) and is_max
     j3 = np.empty(y3.shape, np.int32) if save else np.empty((1, 1), np.int32)
     if y.size:
         blocks = plan.blocks()
@@ -608,6 +614,9 @@ def pool_forward(call):
     residuals = None
     if call.save:
         residuals = (plan, j3 if is_max else None, tuple(x.shape), x.dtype, is_max)
+    if indices:
+        # The kept positions are already PyTorch's indices (flat in the spatial plane, whatever the layout).
+        return (y, j3.reshape(y.shape).astype(np.int64)), residuals
     return (y,), residuals
 
 
@@ -633,3 +642,107 @@ def pool_backward(residuals, cotangents, needs, out=None):
              plan.pairs)
     return {"x": _into(out, "x", dx)}
 
+
+
+# --------------------------------------------------------------------------- max_unpool
+#
+# x, idx: (B, P_in·K); y: (B, P_out·K) — the canonical planes of the pooling kernels above.
+
+
+@njit(inline="always", **_OPTS)
+def _unpool_task(x, idx, y, w, K, plane_out, t, chunks, chunk):
+    """Task t = (plane b, channel chunk): each position of y claimed by the last entry naming it
+    (in x's order; w holds the entry's position, −1 for none), then y gathered from the claims."""
+    b = t // chunks
+    k0 = (t % chunks) * chunk
+    k1 = min(K, k0 + chunk)
+    xb, ib, yb, wb = x[b], idx[b], y[b], w[b]
+    for q in range(plane_out):
+        for k in range(k0, k1):
+            wb[_u(q * K + k)] = -1
+    for p in range(xb.shape[0] // K):
+        for k in range(k0, k1):
+            q = ib[_u(p * K + k)]
+            if 0 <= q < plane_out:  # the api checked the range; never write outside y
+                wb[_u(q * K + k)] = p
+    for q in range(plane_out):
+        for k in range(k0, k1):
+            p = wb[_u(q * K + k)]
+            yb[_u(q * K + k)] = xb[_u(p * K + k)] if p >= 0 else 0.0
+
+
+@njit(parallel=True, **_OPTS)
+def _unpool_parallel(x, idx, y, w, K, plane_out, chunks, chunk):
+    for t in prange(x.shape[0] * chunks):
+        _unpool_task(x, idx, y, w, K, plane_out, t, chunks, chunk)
+
+
+@njit(**_OPTS)
+def _unpool_serial(x, idx, y, w, K, plane_out, chunks, chunk):
+    for t in range(x.shape[0] * chunks):
+        _unpool_task(x, idx, y, w, K, plane_out, t, chunks, chunk)
+
+
+@njit(parallel=True, **_OPTS)
+def _unpool_gather_parallel(dy, idx, w, dx, K, plane_out):
+    for b in prange(dx.shape[0]):
+        _unpool_gather_plane(dy[b], idx[b], w[b], dx[b], K, plane_out)
+
+
+@njit(**_OPTS)
+def _unpool_gather_serial(dy, idx, w, dx, K, plane_out):
+    for b in range(dx.shape[0]):
+        _unpool_gather_plane(dy[b], idx[b], w[b], dx[b], K, plane_out)
+
+
+@njit(inline="always", **_OPTS)
+def _unpool_gather_plane(dyb, ib, wb, dxb, K, plane_out):
+    """dx[p, k] = dy[idx[p, k], k] where entry (p, k) was written, else 0, over one plane."""
+    for p in range(dxb.shape[0] // K):
+        for k in range(K):
+            q = ib[_u(p * K + k)]
+            won = 0 <= q < plane_out and wb[_u(q * K + k)] == p
+            dxb[_u(p * K + k)] = dyb[_u(q * K + k)] if won else 0.0
+
+
+def _unpool_planes(call, shape):
+    """(B, K, P_in, P_out) of a max_unpool call."""
+    axes = call.spatial_axes
+    K = shape[-1] if call.layout == "channels_last" else 1
+    return math.prod(shape[: axes[0]]), K, math.prod(call.in_size), math.prod(call.out_size)
+
+
+def unpool_forward(call):
+    """Forward of ``max_unpool``: each value at its index (the last of duplicates), zero elsewhere."""
+    x = call.x
+    shape = tuple(int(s) for s in x.shape)
+    B, K, plane_in, plane_out = _unpool_planes(call, shape)
+    idx = np.ascontiguousarray(call.indices, dtype=np.int64).reshape(B, plane_in * K)
+    out_shape = list(shape)
+    for a, o in zip(call.spatial_axes, call.out_size):
+        out_shape[a] = o
+    y = np.empty(tuple(out_shape), x.dtype)
+    w = np.empty((B, plane_out * K), np.int64)
+    if y.size:
+        chunk = min(K, CHANNEL_CHUNK)
+        chunks = -(-K // chunk)
+        _run(_unpool_parallel, _unpool_serial, y.size + x.size,
+             x.reshape(B, plane_in * K), idx, y.reshape(B, plane_out * K), w, K, plane_out, chunks, chunk)
+    residuals = (idx, w, shape, x.dtype, B, K, plane_out) if call.save else None
+    return (y,), residuals
+
+
+def unpool_backward(residuals, cotangents, needs, out=None):
+    """dx of ``max_unpool``: dy at each entry's index where that entry was written, else 0."""
+    if "x" not in needs:
+        return {}
+    idx, w, shape, dtype, B, K, plane_out = residuals
+    out = out or {}
+    dy = np.ascontiguousarray(cotangents[0], dtype=dtype)
+    dx = out.get("x")
+    if dx is None or not dx.flags.c_contiguous or dx.dtype != dtype:
+        dx = np.empty(shape, dtype)
+    if dx.size:
+        _run(_unpool_gather_parallel, _unpool_gather_serial, dx.size,
+             dy.reshape(B, plane_out * K), idx, w, dx.reshape(B, -1), K, plane_out)
+    return {"x": _into(out, "x", dx)}

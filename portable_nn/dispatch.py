@@ -459,10 +459,12 @@ def register_kernel(
         - sequences (``rnn``, ``lstm``, ``gru``): arrays ``x``, ``h0`` (and
           ``c0``) and each layer's weights named ``w_ih_l0``, ``w_hh_l0``,
           ``b_ih_l0_reverse`` …; ``kind``, ``activation``, ``reset_after``,
-          ``num_layers``, ``num_directions``, ``hidden_size``, ``batch_first``,
+          ``num_layers``, ``num_directions``, ``hidden_size``, ``proj_size``
+          (0, or with LSTM projections the size of h: each layer and direction
+          then has a fifth array ``w_hr_l0`` …), ``batch_first``,
           ``lengths`` (a tuple of ints, or ``None`` when every sequence is
-          full), ``param_names`` (per layer and direction, the four array
-          names), ``mixed_precision``.
+          full), ``param_names`` (per layer and direction, the four or five
+          array names), ``mixed_precision``.
         - ``conv``: arrays ``x``, ``weight``, ``bias``; ``spatial_axes``,
           ``channel_axis``, ``batched``, ``groups``, ``kernel``, ``stride``,
           ``dilation``, ``pad_lo``, ``pad_hi``, ``in_size``, ``out_size`` (per
@@ -472,10 +474,18 @@ def register_kernel(
         - pooling (``max_pool``, ``avg_pool``): array ``x``; ``spatial_axes``,
           ``window``, ``stride``, ``padding``, ``dilation``, ``ceil_mode``,
           ``batched``, ``in_size``, ``out_size``, ``pad_lo``, ``pad_hi`` (the
-          high side includes the room ``ceil_mode`` needs); ``avg_pool`` adds
+          high side includes the room ``ceil_mode`` needs); ``max_pool`` adds
+          ``return_indices`` (then the outputs are ``(y, indices)``, indices
+          int64 flat positions in each spatial plane of ``x``, −1 for a window
+          of padding only); ``avg_pool`` adds
           ``count_include_pad``, ``divisor_override`` (``None`` or the divisor,
           already folded into ``divisors``) and ``divisors`` (per axis, the
           divisor of each output position; their product divides).
+        - ``max_unpool``: arrays ``x``, ``indices`` (integer, ``x``'s shape, in
+          range: the api checked the values); ``spatial_axes``, ``window``,
+          ``stride``, ``padding``, ``batched``, ``in_size`` (x's spatial sizes),
+          ``out_size``; the last entry of duplicate indices must win, and the
+          gradient reaches only the entries written.
         - ``log_softmax``: array ``x``; ``axis``, ``scalar`` (0-d ``x``).
         - ``cross_entropy``: arrays ``logits``, ``target``, ``weight``;
           ``axis``, ``classes``, ``probabilities`` (float targets),

@@ -22,3 +22,9 @@ def int64_ignore_index(call: Any) -> str | None:
     """Loss kernels take ``ignore_index`` as a 64-bit integer."""
     ignore = call.params.get("ignore_index", 0)
     return None if -(2**63) <= ignore < 2**63 else f"takes an int64 ignore_index, not {ignore}"
+
+
+def no_lstm_projections(call: Any) -> str | None:
+    """Recurrent kernels written for square hidden states decline LSTM projections (``w_hr``)."""
+    proj = call.params.get("proj_size") or 0
+    return None if not proj else f"runs no LSTM projections (proj_size={proj}; the reference and aten do)"

@@ -39,6 +39,7 @@ SAMPLES = {
     "dense": ((_a(2, 3), _a(4, 3), _a(4)), {}),
     "max_pool": ((_a(2, 3, 6, 6), 2), {}),
     "avg_pool": ((_a(2, 3, 6, 6), 2), {}),
+    "max_unpool": ((_a(2, 3, 3, 3), np.zeros((2, 3, 3, 3), np.int64), 2), {}),
     "log_softmax": ((_a(2, 3),), {}),
     "cross_entropy": ((_a(4, 3), np.array([0, 2, 1, 0])), {}),
 }

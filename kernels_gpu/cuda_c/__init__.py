@@ -13,7 +13,7 @@ import importlib.util
 
 from portable_nn.backends import Backend
 from portable_nn.dispatch import Support, register_builtin
-from portable_nn.kernel_checks import int32_pool_positions, int64_ignore_index
+from portable_nn.kernel_checks import int32_pool_positions, int64_ignore_index, no_lstm_projections
 
 #: What every CUDA C kernel takes: CuPy arrays and CUDA torch tensors, C-contiguous (strided
 #: input is copied, and ``explain`` reports the copy).
@@ -92,6 +92,21 @@ for _op in ("max_pool", "avg_pool"):
         priority=CUPY_PRIORITY,
     )
 
+register_builtin(
+    "max_unpool",
+    BACKEND.name,
+    forward="kernels_gpu.cuda_c.pool:unpool_forward",
+    backward="kernels_gpu.cuda_c.pool:unpool_backward",
+    supports=Support(
+        dtypes=("float32", "float64", "float16", "bfloat16"),
+        layouts=("channels_first", "channels_last"),
+        check=int32_pool_positions,
+        description="1-3-D, batched or not; duplicate indices: the last entry wins (atomicMax claim, then gather)",
+        **GPU_SUPPORT,
+    ),
+    priority=CUPY_PRIORITY,
+)
+
 
 for _op in ("log_softmax", "cross_entropy"):
     register_builtin(
@@ -161,6 +176,7 @@ for _op in ("rnn", "lstm", "gru"):
         supports=Support(
             dtypes=("float32", "float64"),
             mixed_precision=False,
+            check=no_lstm_projections if _op == "lstm" else None,
             description="stacked, bidirectional, batch_first, lengths, both GRU forms; input projection of "
             "all steps in one GEMM, per step one cuBLAS GEMM + one fused kernel; deterministic",
             **GPU_SUPPORT,

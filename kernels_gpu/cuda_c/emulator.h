@@ -145,6 +145,8 @@ inline float __int_as_float(int v) { float f; std::memcpy(&f, &v, 4); return f; 
 inline float __uint_as_float(unsigned v) { float f; std::memcpy(&f, &v, 4); return f; }
 inline unsigned __float_as_uint(float v) { unsigned u; std::memcpy(&u, &v, 4); return u; }
 inline int __float_as_int(float v) { int u; std::memcpy(&u, &v, 4); return u; }
+// Threads are fibers on one OS thread and switch only at barriers: a plain update is atomic.
+inline int atomicMax(int* address, int value) { const int old = *address; if (value > old) *address = value; return old; }
 inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
 inline double rsqrt(double v) { return 1.0 / std::sqrt(v); }
 inline long long min(long long a, long long b) { return a < b ? a : b; }

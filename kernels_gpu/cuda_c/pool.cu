@@ -10,6 +10,12 @@
 // the gradient's target), as PyTorch does; a window of padding only gives −inf and position −1.
 // Backward: one thread per input element *gathers* from the outputs whose windows cover it (no
 // atomics: deterministic, and no zero-filling pass).
+//
+// max_unpool (x and indices as B planes of P_in positions of K channels, y as B planes of P_out):
+// unpool_claim gives each output position the largest x position (in the plane) whose index
+// names it (atomicMax on an int32 buffer filled with -1), so duplicates resolve to the last entry
+// in x's order whatever the scheduling; unpool_fill then gathers (zero where nothing claimed);
+// the backward gives each entry dy at its index if it holds the claim, else 0.
 
 #include "common.cuh"
 
@@ -105,5 +111,47 @@ __global__ void pool_bwd(const T* dy, T* dx, const int* arg, const double* div0,
             }
         }
         dx[e] = from_acc<T>(sum);
+    }
+}
+
+__global__ void unpool_claim(const long long* idx, int* winner, long long B, long long K, long long p_in,
+                             long long p_out) {
+    const long long total = B * p_in * K;
+    for (long long e = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+         e += static_cast<long long>(gridDim.x) * blockDim.x) {
+        const long long k = e % K;
+        const long long r = e / K;
+        const long long p = r % p_in;
+        const long long b = r / p_in;
+        const long long q = idx[e];
+        if (q >= 0 && q < p_out) atomicMax(winner + (b * p_out + q) * K + k, static_cast<int>(p));
+    }
+}
+
+template <class T>
+__global__ void unpool_fill(const T* x, const int* winner, T* y, long long B, long long K, long long p_in,
+                            long long p_out) {
+    const long long total = B * p_out * K;
+    for (long long e = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+         e += static_cast<long long>(gridDim.x) * blockDim.x) {
+        const long long k = e % K;
+        const long long b = e / K / p_out;
+        const int w = winner[e];
+        y[e] = w >= 0 ? x[(b * p_in + w) * K + k] : from_acc<T>(0.0f);
+    }
+}
+
+template <class T>
+__global__ void unpool_bwd(const T* dy, const long long* idx, const int* winner, T* dx, long long B, long long K,
+                           long long p_in, long long p_out) {
+    const long long total = B * p_in * K;
+    for (long long e = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+         e += static_cast<long long>(gridDim.x) * blockDim.x) {
+        const long long k = e % K;
+        const long long p = (e / K) % p_in;
+        const long long b = e / K / p_in;
+        const long long q = idx[e];
+        const long long o = (b * p_out + q) * K + k;
+        dx[e] = (q >= 0 && q < p_out && winner[o] == p) ? dy[o] : from_acc<T>(0.0f);
     }
 }

@@ -8,7 +8,8 @@ the backward one thread per input gathering from the windows that cover it, so n
 no zero-fill are needed and gradients are deterministic.  max_pool keeps, with a backward to
 come, the winning position per output (``int32``; planes of 2**31 positions or more are
 declined); avg_pool divides by the per-position divisors the api computed (cached on the device
-per geometry).
+per geometry).  ``max_unpool`` claims each output position for the last entry naming it
+(``atomicMax`` of x positions), then gathers, so duplicates resolve deterministically.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ BLOCK = 256
 MAX_BLOCKS = 65535 * 8
 
 _DTYPES = ("float", "double", "pnn_half", "pnn_bf16")
-rt.declare(FAMILY, [f"{k}<{t}>" for k in ("pool_fwd", "pool_bwd") for t in _DTYPES])
+rt.declare(FAMILY, [f"{k}<{t}>" for k in ("pool_fwd", "pool_bwd", "unpool_fill", "unpool_bwd") for t in _DTYPES]
+           + ["unpool_claim"])
 
 _divisors: dict[tuple, Any] = {}
 _divisors_lock = threading.Lock()
@@ -80,11 +82,14 @@ def pool_forward(call: Any) -> tuple[tuple[Any], Any]:
     for a, o in zip(call.spatial_axes, call.out_size):
         out_shape[a] = int(o)
     y = xp.empty(tuple(out_shape), x.dtype)
-    arg = xp.empty(tuple(out_shape), xp.int32) if (is_max and call.save) else None
+    indices = is_max and bool(call.params.get("return_indices"))
+    arg = xp.empty(tuple(out_shape), xp.int32) if (is_max and (call.save or indices)) else None
     divs = _divisor_arrays(call, xp)
     rt.launch(FAMILY, f"pool_fwd<{rt.ctype(call.dtype)}>", _grid(y.size), (BLOCK,),
               [x, y, rt.ptr(arg), *divs, *_args(B, K, geo), rt.i32(is_max)])
     residuals = (call.replace(arrays={}), shape, x.dtype, arg, divs) if call.save else None
+    if indices:
+        return (y, arg.astype(xp.int64)), residuals  # flat spatial positions: PyTorch's indices
     return (y,), residuals
 
 
@@ -104,4 +109,49 @@ def pool_backward(residuals: Any, cotangents: Any, needs: Any, out: Any = None) 
     B, K, geo = geometry(call, shape)
     rt.launch(FAMILY, f"pool_bwd<{rt.ctype(call.dtype)}>", _grid(dx.size), (BLOCK,),
               [dy, dx, rt.ptr(arg), *divs, *_args(B, K, geo), rt.i32(call.op == "max_pool")])
+    return {"x": rt.into(out, "x", dx)}
+
+
+def _unpool_planes(call: Any, shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """(B, K, P_in, P_out) of a max_unpool call."""
+    K = shape[-1] if call.layout == "channels_last" else 1
+    return math.prod(shape[: call.spatial_axes[0]]), K, math.prod(call.in_size), math.prod(call.out_size)
+
+
+def unpool_forward(call: Any) -> tuple[tuple[Any], Any]:
+    """y of max_unpool: the last entry naming each position (claimed with atomicMax), zero elsewhere."""
+    x = call.x
+    xp = rt.array_module(x)
+    shape = tuple(int(v) for v in x.shape)
+    B, K, p_in, p_out = _unpool_planes(call, shape)
+    idx = xp.ascontiguousarray(call.indices)
+    if idx.dtype != xp.int64:
+        idx = idx.astype(xp.int64)
+    out_shape = list(shape)
+    for a, o in zip(call.spatial_axes, call.out_size):
+        out_shape[a] = int(o)
+    y = xp.empty(tuple(out_shape), x.dtype)
+    winner = xp.full(y.shape, -1, dtype=xp.int32)
+    sizes = [rt.i64(B), rt.i64(K), rt.i64(p_in), rt.i64(p_out)]
+    if x.size:
+        rt.launch(FAMILY, "unpool_claim", _grid(x.size), (BLOCK,), [idx, winner, *sizes])
+    rt.launch(FAMILY, f"unpool_fill<{rt.ctype(call.dtype)}>", _grid(y.size), (BLOCK,), [x, winner, y, *sizes])
+    residuals = (idx, winner, shape, x.dtype, sizes, call.dtype) if call.save else None
+    return (y,), residuals
+
+
+def unpool_backward(residuals: Any, cotangents: Any, needs: Any, out: Any = None) -> dict[str, Any]:
+    """dx of max_unpool: dy at each entry's index where that entry holds the claim, else 0."""
+    if "x" not in needs:
+        return {}
+    idx, winner, shape, dtype, sizes, dtype_name = residuals
+    out = out or {}
+    dy = cotangents[0]
+    xp = rt.array_module(dy)
+    dy = xp.ascontiguousarray(dy)
+    if dy.dtype != dtype:
+        dy = dy.astype(dtype)
+    given = out.get("x")
+    dx = given if (given is not None and given.dtype == dtype and given.flags.c_contiguous) else xp.empty(shape, dtype)
+    rt.launch(FAMILY, f"unpool_bwd<{rt.ctype(dtype_name)}>", _grid(dx.size), (BLOCK,), [dy, idx, winner, dx, *sizes])
     return {"x": rt.into(out, "x", dx)}

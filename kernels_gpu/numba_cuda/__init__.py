@@ -17,7 +17,7 @@ import importlib.util
 
 from portable_nn.backends import Backend
 from portable_nn.dispatch import Support, register_builtin
-from portable_nn.kernel_checks import int32_pool_positions, int64_ignore_index
+from portable_nn.kernel_checks import int32_pool_positions, int64_ignore_index, no_lstm_projections
 
 #: What every Numba-CUDA kernel takes: CuPy arrays (and CUDA torch tensors, as zero-copy CuPy
 #: views), C-contiguous (strided input is copied, and ``explain`` reports the copy).
@@ -110,6 +110,21 @@ for _op in ("max_pool", "avg_pool"):
         priority=NUMBA_CUDA_PRIORITY,
     )
 
+register_builtin(
+    "max_unpool",
+    BACKEND.name,
+    forward=f"{_PKG}.pool:unpool_forward",
+    backward=f"{_PKG}.pool:unpool_backward",
+    supports=Support(
+        dtypes=("float16", "bfloat16", "float32", "float64"),
+        layouts=("channels_first", "channels_last"),
+        check=int32_pool_positions,
+        description="1-3-D, batched or not; duplicate indices: the last entry wins (atomic-max claim)",
+        **GPU_SUPPORT,
+    ),
+    priority=NUMBA_CUDA_PRIORITY,
+)
+
 
 register_builtin(
     "cross_entropy",
@@ -168,8 +183,9 @@ for _op, _kind in (("rnn_cell", "cell"), ("lstm_cell", "cell"), ("gru_cell", "ce
         supports=Support(
             dtypes=("float32", "float64"),
             mixed_precision=False,
-            description="every argument (both GRU forms, stacked, bidirectional, batch_first, lengths); "
-                        "one GEMM + one fused kernel per step",
+            check=no_lstm_projections if _op == "lstm" else None,
+            description="every argument but LSTM projections (both GRU forms, stacked, bidirectional, "
+                        "batch_first, lengths); one GEMM + one fused kernel per step",
             **GPU_SUPPORT,
         ),
         priority=NUMBA_CUDA_PRIORITY,

@@ -20,6 +20,11 @@ tuple of 22 int64 (:func:`_geometry`).
   (``dy`` where the kept position is this one, for max; ``dy / divisor`` for average).  No
   atomics: the result is deterministic.
 
+max_unpool: ``_unpool_claim`` gives each output position the largest x position whose index
+names it (``cuda.atomic.max`` on an int32 buffer of −1), ``_unpool_fill`` copies the winners into
+a zeroed ``y``: duplicates resolve to the last entry in x's order, deterministically.  The
+backward gives each entry ``dy`` at its index if it holds the claim (else 0).
+
 Supported (declared in ``__init__.py``): float16, bfloat16 (float32 comparisons, float64 sums),
 float32, float64; layouts channels first and last; every window/stride/padding/dilation/
 ceil_mode/count_include_pad the api accepts; planes below 2**31 positions (int32 positions).
@@ -220,7 +225,11 @@ def pool_forward(call):
     is_max = call.op == "max_pool"
     idx = xp.empty(n if is_max else 0, np.int32)  # avg_pool keeps no positions
     rt.launch(_forward, rt.blocks_for(n, block), block, flat_x, flat_y, idx, g, is_max)
-    return (y,), ((idx if is_max else None, g, shape, x.dtype) if call.save else None)
+    residuals = (idx if is_max else None, g, shape, x.dtype) if call.save else None
+    if is_max and call.params.get("return_indices"):
+        # The kept positions are flat in the spatial plane whatever the layout: PyTorch's indices.
+        return (y, idx.astype(np.int64).reshape(y.shape)), residuals
+    return (y,), residuals
 
 
 def pool_backward(residuals, cotangents, needs, out=None):
@@ -236,4 +245,89 @@ def pool_backward(residuals, cotangents, needs, out=None):
         rt.launch(_max_backward, rt.blocks_for(n, block), block, dy, idx, dx.reshape(-1), g)
     else:
         rt.launch(_avg_backward, rt.blocks_for(n, block), block, dy, dx.reshape(-1), g)
+    return {"x": rt.into(out or {}, "x", dx)}
+
+
+# --------------------------------------------------------------------------- max_unpool
+#
+# x, indices: B planes of P_in positions of K channels; y: B planes of P_out positions.
+# sizes = (B, K, P_in, P_out).
+
+_SIZES = "UniTuple(int64, 4)"
+
+
+@kernel(f"void(int64[::1], int32[::1], {_SIZES})", dtypes=("float32",))
+def _unpool_claim(idx, winner, sizes):
+    """winner[b, q, k] = the largest position p in the plane with idx[b, p, k] == q."""
+    K, p_in, p_out = sizes[1], sizes[2], sizes[3]
+    total = sizes[0] * p_in * K
+    e = cuda.grid(1)
+    while e < total:
+        q = idx[e]
+        if q >= 0 and q < p_out:
+            b = e // K // p_in
+            p = (e // K) % p_in
+            cuda.atomic.max(winner, ((b * p_out + q) * K + e % K), np.int32(p))
+        e += cuda.gridsize(1)
+
+
+@kernel(f"void({{x}}[::1], int32[::1], {{x}}[::1], {_SIZES})")
+def _unpool_fill(x, winner, y, sizes):
+    """y[e] = x at the winning position (y arrives zeroed)."""
+    K, p_in, p_out = sizes[1], sizes[2], sizes[3]
+    total = sizes[0] * p_out * K
+    e = cuda.grid(1)
+    while e < total:
+        w = winner[e]
+        if w >= 0:
+            y[e] = x[((e // K // p_out) * p_in + w) * K + e % K]
+        e += cuda.gridsize(1)
+
+
+@kernel(f"void({{x}}[::1], int64[::1], int32[::1], {{x}}[::1], {_SIZES})")
+def _unpool_gather(dy, idx, winner, dx, sizes):
+    """dx[e] = dy at entry e's index where entry e holds the claim (dx arrives zeroed)."""
+    K, p_in, p_out = sizes[1], sizes[2], sizes[3]
+    total = sizes[0] * p_in * K
+    e = cuda.grid(1)
+    while e < total:
+        q = idx[e]
+        if q >= 0 and q < p_out:
+            o = ((e // K // p_in) * p_out + q) * K + e % K
+            if winner[o] == (e // K) % p_in:
+                dx[e] = dy[o]
+        e += cuda.gridsize(1)
+
+
+def _unpool_sizes(call, shape) -> tuple[int, int, int, int]:
+    k = shape[-1] if call.layout == "channels_last" else 1
+    return math.prod(shape[: call.spatial_axes[0]]), k, math.prod(call.in_size), math.prod(call.out_size)
+
+
+def unpool_forward(call):
+    """y of max_unpool: the last entry naming each position (claimed with an atomic max), zero elsewhere."""
+    x = call.x
+    xp = rt.array_module(x)
+    shape = tuple(int(s) for s in x.shape)
+    sizes = _unpool_sizes(call, shape)
+    idx = xp.ascontiguousarray(call.indices).astype(np.int64, copy=False).reshape(-1)
+    y = xp.zeros(_out_shape(call, shape), dtype=x.dtype)
+    winner = xp.full(rt.prod(y.shape), -1, dtype=np.int32)
+    block = rt.settings().block
+    rt.launch(_unpool_claim, rt.blocks_for(rt.prod(shape), block), block, idx, winner, sizes)
+    rt.launch(_unpool_fill, rt.blocks_for(rt.prod(y.shape), block), block, x.reshape(-1), winner, y.reshape(-1),
+              sizes)
+    return (y,), ((idx, winner, sizes, shape, x.dtype) if call.save else None)
+
+
+def unpool_backward(residuals, cotangents, needs, out=None):
+    """dx of max_unpool: dy at each entry's index where that entry holds the claim, else 0."""
+    if "x" not in needs:
+        return {}
+    idx, winner, sizes, shape, dtype = residuals
+    xp = rt.array_module(cotangents[0])
+    dy = xp.ascontiguousarray(rt.cast(cotangents[0], dtype)).reshape(-1)
+    dx = xp.zeros(shape, dtype=dtype)
+    block = rt.settings().block
+    rt.launch(_unpool_gather, rt.blocks_for(rt.prod(shape), block), block, dy, idx, winner, dx.reshape(-1), sizes)
     return {"x": rt.into(out or {}, "x", dx)}

@@ -87,6 +87,10 @@ class OpSpec:
             nested tuples (``("outputs", ("h_n", "c_n"))`` for ``lstm``).
         updates: arguments it updates in place after the computation (running statistics), which
             ``return_stats=True`` returns instead (the result is then ``(outputs, *updates)``).
+        optional_outputs: outputs returned only on request: pairs (output name, the bool argument
+            that requests it) — ``(("indices", "return_indices"),)`` for ``max_pool``.  They are the last
+            of ``outputs``, take no cotangent, and the result is the bare first output when
+            none is requested.
     """
 
     name: str
@@ -94,6 +98,7 @@ class OpSpec:
     grad_fields: tuple[str, ...]
     outputs: Any = "y"
     updates: tuple[str, ...] = ()
+    optional_outputs: tuple[tuple[str, str], ...] = ()
     #: The public op users call (set by :func:`public_op`).
     function: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 
@@ -132,6 +137,16 @@ class OpSpec:
         """The names of the flat outputs, in order (with ``return_stats``, the updates follow)."""
         return tuple(_leaves(self.outputs))
 
+    @property
+    def n_diff_outputs(self) -> int:
+        """How many leading outputs take a cotangent (every output but the optional ones)."""
+        return len(self.output_names) - len(self.optional_outputs)
+
+    def requested(self, values: Mapping[str, Any]) -> tuple[str, ...]:
+        """The output names a call with arguments ``values`` returns (optional ones only on request)."""
+        flags = dict(self.optional_outputs)
+        return tuple(name for name in self.output_names if name not in flags or values.get(flags[name]) is True)
+
 
 def _leaves(tree: Any) -> Iterator[str]:
     if isinstance(tree, tuple):
@@ -142,7 +157,8 @@ def _leaves(tree: Any) -> Iterator[str]:
 
 
 def public_op(
-    *, grad_fields: tuple[str, ...], outputs: Any = "y", updates: tuple[str, ...] = ()
+    *, grad_fields: tuple[str, ...], outputs: Any = "y", updates: tuple[str, ...] = (),
+    optional_outputs: Mapping[str, str] | None = None,
 ) -> Callable[[Callable[..., Prepared]], Callable[..., Any]]:
     """Declare a public op: the decorated function validates its arguments and returns a :class:`Prepared`.
 
@@ -155,10 +171,12 @@ def public_op(
         grad_fields: the differentiable arguments (``vjp``'s fields), in signature order.
         outputs: the result's structure (see :attr:`OpSpec.outputs`).
         updates: the arguments updated in place unless ``return_stats=True``.
+        optional_outputs: outputs returned on request (see :attr:`OpSpec.optional_outputs`).
     """
 
     def declare(prepare: Callable[..., Prepared]) -> Callable[..., Any]:
-        spec = OpSpec(prepare.__name__, prepare, tuple(grad_fields), outputs, tuple(updates))
+        spec = OpSpec(prepare.__name__, prepare, tuple(grad_fields), outputs, tuple(updates),
+                      tuple((optional_outputs or {}).items()))
 
         @functools.wraps(prepare)
         def op(*args: Any, **kwargs: Any) -> Any:

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .. import _arrays
 from ._common import (
     Prepared,
@@ -31,6 +33,7 @@ from ._common import (
     check_bool,
     check_int,
     check_same_library,
+    check_shape,
     floating_dtype,
     make_call,
     per_axis,
@@ -39,7 +42,7 @@ from ._common import (
 )
 from ._types import Array, IntOrTuple, Window
 
-__all__ = ["avg_pool", "max_pool"]
+__all__ = ["avg_pool", "max_pool", "max_unpool"]
 
 _POOL_FIELDS = ("x",)
 
@@ -162,7 +165,7 @@ def _avg_divisors(
 # --------------------------------------------------------------------------- max_pool
 
 
-@public_op(grad_fields=_POOL_FIELDS)
+@public_op(grad_fields=_POOL_FIELDS, outputs=("y", "indices"), optional_outputs={"indices": "return_indices"})
 def max_pool(
     x: Array,
     window: Window,
@@ -171,6 +174,7 @@ def max_pool(
     padding: IntOrTuple = 0,
     dilation: IntOrTuple = 1,
     ceil_mode: bool = False,
+    return_indices: bool = False,
     channel_axis: int = 1,
 ) -> Any:
     """Max pooling over 1 to 3 spatial axes (PyTorch's ``max_pool1d/2d/3d``).
@@ -188,13 +192,20 @@ def max_pool(
         dilation: int or per-axis tuple, >= 1: spacing of the window positions.
         ceil_mode: round the output size up (the last window must still start
             inside the input or the left padding), as PyTorch does.
+        return_indices: also return where each maximum is (see Returns).
         channel_axis: 1 (channels first) or -1 (channels last), counted in the
             batched layout.
 
     Returns:
         ``y`` with ``x``'s dtype; each spatial size becomes
         ``floor((L + 2·padding − dilation·(window − 1) − 1) / stride) + 1``
-        (``ceil`` with ``ceil_mode``).
+        (``ceil`` with ``ceil_mode``).  With ``return_indices=True``, ``(y, indices)``:
+        ``indices`` has ``y``'s shape and holds, per output, the flat position of the
+        window's maximum (the one the gradient goes to) within its sample's and
+        channel's spatial plane — ``h·W + w`` in 2-D, ``(d·H + h)·W + w`` in 3-D —
+        whatever ``channel_axis`` is, as PyTorch defines them (``max_unpool`` takes
+        them back); int64 (int32 under JAX without x64); −1 for a window that covers
+        only padding.
 
     Raises:
         ValueError: a window larger than the padded input, a non-positive
@@ -203,7 +214,8 @@ def max_pool(
         TypeError: non-array or non-floating ``x``, non-int geometry arguments.
 
     Gradients:
-        ``vjp`` fields: ``(x,)``.  Each window's cotangent goes to the first
+        ``vjp`` fields: ``(x,)``; ``indices`` takes no cotangent (the pullback takes
+        ``dy`` or ``(dy, None)``).  Each window's cotangent goes to the first
         maximum of the window in row-major window order (ties go to the earliest
         position), as PyTorch does; dx sums them.  NaN propagates: a window holding
         NaN outputs NaN and its gradient goes to a NaN position (the last one in
@@ -222,7 +234,10 @@ def max_pool(
     family, device, dtype, params, layout = _pool_plan(
         x, window, stride, padding, dilation, ceil_mode, channel_axis
     )
+    params["return_indices"] = return_indices = check_bool(return_indices, "return_indices")
     call = make_call("max_pool", {"x": x}, params, family=family, device=device, dtype=dtype, layout=layout)
+    if return_indices:
+        return Prepared(call, _POOL_FIELDS, {"x": x}, finish=tuple)
     return Prepared(call, _POOL_FIELDS, {"x": x})
 
 
@@ -295,4 +310,153 @@ def avg_pool(
     params["divisor_override"] = _check_divisor_override(divisor_override)
     params["divisors"] = _avg_divisors(params, count_include_pad, params["divisor_override"])
     call = make_call("avg_pool", {"x": x}, params, family=family, device=device, dtype=dtype, layout=layout)
+    return Prepared(call, _POOL_FIELDS, {"x": x})
+
+
+# --------------------------------------------------------------------------- max_unpool
+
+_INDEX_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+
+
+def _unpool_size(
+    x: Any, spatial_axes: tuple[int, ...], win: tuple[int, ...], strides: tuple[int, ...],
+    pads: tuple[int, ...], output_size: Any,
+) -> tuple[int, ...]:
+    """The output's spatial sizes: PyTorch's default, or ``output_size`` within a stride of it."""
+    d = len(win)
+    default = tuple((int(x.shape[a]) - 1) * s + k - 2 * p for a, k, s, p in zip(spatial_axes, win, strides, pads))
+    if output_size is None:
+        sizes = default
+    else:
+        if not isinstance(output_size, (tuple, list)):
+            output_size = (output_size,) * d
+        if len(output_size) == x.ndim and len(output_size) != d:
+            output_size = tuple(output_size[a] for a in spatial_axes)  # a full shape, as PyTorch accepts
+        if len(output_size) != d:
+            raise ValueError(
+                f"output_size must have {d} entries (one per spatial axis) or {x.ndim} (x's full shape), "
+                f"got {tuple(output_size)!r}"
+            )
+        sizes = tuple(check_int(v, "output_size") for v in output_size)
+        for i, (size, base, s) in enumerate(zip(sizes, default, strides)):
+            if not base - s < size < base + s:
+                raise ValueError(
+                    f"output_size {sizes} is invalid on spatial axis {i}: it must lie strictly between "
+                    f"{base - s} and {base + s} (the default size {base} ± stride {s})"
+                )
+    for i, size in enumerate(sizes):
+        if size < 1:
+            raise ValueError(
+                f"max_unpool has no output on spatial axis {i}: (L − 1)·stride + window − 2·padding = {size} "
+                f"for x with shape {tuple(x.shape)}"
+            )
+    return sizes
+
+
+def _check_unpool_indices(xp: Any, indices: Any, plane: int) -> None:
+    """``ValueError`` naming ``indices`` if one lies outside [0, plane) (reads the values)."""
+    if indices.size == 0 or not _arrays.has_values(indices):
+        return
+    if isinstance(indices, np.ndarray):
+        xp = np
+    low, high = int(xp.min(indices)), int(xp.max(indices))
+    if low < 0 or high >= plane:
+        raise ValueError(
+            f"indices must be flat positions in [0, {plane}) (the output's spatial plane), "
+            f"got values in [{low}, {high}]"
+        )
+
+
+@public_op(grad_fields=_POOL_FIELDS)
+def max_unpool(
+    x: Array,
+    indices: Array,
+    window: Window,
+    *,
+    stride: IntOrTuple | None = None,
+    padding: IntOrTuple = 0,
+    output_size: IntOrTuple | None = None,
+    channel_axis: int = 1,
+) -> Any:
+    """Partial inverse of ``max_pool`` (PyTorch's ``max_unpool1d/2d/3d``): each value back at its index.
+
+    y[n, c, indices[n, c, o]] = x[n, c, o] and zero elsewhere: ``indices`` are flat
+    positions within each sample's and channel's spatial plane of ``y``, as
+    ``max_pool(..., return_indices=True)`` returns them.
+
+    Args:
+        x: ``(N, C, *spatial)``, or ``(N, *spatial, C)`` with ``channel_axis=-1``,
+            or either without ``N`` (unbatched; then ``window`` must be a tuple).
+        indices: an integer array of ``x``'s shape, each in ``[0, Π output_size)``.
+        window: the pooling window that produced ``x``: an int (the number of
+            spatial axes is then ``x.ndim - 2``) or a tuple of 1 to 3 ints.
+        stride: int or per-axis tuple, >= 1; ``None`` means ``window``.
+        padding: int or per-axis tuple, >= 0.
+        output_size: the output's spatial sizes (int, one per spatial axis, or
+            ``x``'s full rank as PyTorch accepts); each must lie strictly within
+            a stride of the default ``(L − 1)·stride + window − 2·padding``.
+        channel_axis: 1 (channels first) or -1 (channels last), counted in the
+            batched layout.
+
+    Returns:
+        ``y`` with ``x``'s dtype and layout, the spatial sizes above.  When two
+        entries of a plane share an index, the one that comes last in row-major
+        order of ``x``'s spatial positions is written (on every backend, so
+        results are deterministic; PyTorch leaves this unspecified on the GPU).
+
+    Raises:
+        ValueError: ``indices`` of another shape or outside ``[0, Π output_size)``
+            (checked on the values, except under JAX tracing, where out-of-range
+            entries are dropped), a bad ``output_size``, a non-positive window or
+            stride, negative padding, an unsupported ``channel_axis``.
+        TypeError: non-array ``x`` or ``indices``, non-floating ``x``, non-integer
+            ``indices``, non-int geometry arguments.
+
+    Gradients:
+        ``vjp`` fields: ``(x,)``: dx = dy at each entry's index for the entry
+        that was written, 0 for entries a duplicate overwrote — the derivative of
+        the forward above.  (PyTorch gives every duplicate the cotangent, which
+        its own gradient checks skip; without duplicates, as after a max_pool
+        whose windows do not overlap, the two agree.)
+
+    Backends:
+        ``reference`` (the array-API implementation: every array library, device and
+        floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
+        zero-copy, float32 and float64; channels first or last); GPU kernels (``cupy``:
+        CUDA C compiled through CuPy's ``RawModule``; ``numba_cuda``) for CuPy arrays
+        and CUDA torch tensors, where ``pnn.capabilities()`` lists them.
+        ``pnn.explain`` reports which one a call runs and why the others were passed
+        over.
+    """
+    check_array(x, "x")
+    check_array(indices, "indices")
+    family, device = check_same_library({"x": x, "indices": indices})
+    xp = _arrays.namespace(x)
+    dtype = floating_dtype(xp, x, "x")
+    index_dtype = _arrays.dtype_name(xp, indices.dtype)
+    if index_dtype not in _INDEX_DTYPES:
+        raise TypeError(f"indices must have an integer dtype (int64, as max_pool returns them), got {index_dtype}")
+    d = _spatial_count(x, window)
+    batched, layout, _, spatial_axes = spatial_layout(x, d, channel_axis, f"{d}-D unpooling")
+    check_shape(indices, "indices", tuple(int(s) for s in x.shape), "x's shape")
+    win = per_axis(window, d, "window", 1)
+    strides = win if stride is None else per_axis(stride, d, "stride", 1)
+    pads = per_axis(padding, d, "padding", 0)
+    out_size = _unpool_size(x, spatial_axes, win, strides, pads, output_size)
+    plane = 1
+    for size in out_size:
+        plane *= size
+    _check_unpool_indices(xp, indices, plane)
+    params = {
+        "spatial_axes": spatial_axes,
+        "window": win,
+        "stride": strides,
+        "padding": pads,
+        "batched": batched,
+        "in_size": tuple(int(x.shape[a]) for a in spatial_axes),
+        "out_size": out_size,
+    }
+    call = make_call(
+        "max_unpool", {"x": x, "indices": indices}, params, family=family, device=device, dtype=dtype, layout=layout
+    )
     return Prepared(call, _POOL_FIELDS, {"x": x})

@@ -34,7 +34,7 @@ from .activations import Activation, ActivationLike, parse_activation
 
 __all__ = ["gru", "gru_cell", "lstm", "lstm_cell", "rnn", "rnn_cell"]
 
-_WEIGHTS = ("w_ih", "w_hh", "b_ih", "b_hh")
+_WEIGHTS = ("w_ih", "w_hh", "b_ih", "b_hh", "w_hr")
 _INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 
 
@@ -314,11 +314,16 @@ def _param_name(k: int, j: int, dirs: int) -> str:
     return f"{_WEIGHTS[j]}_l{layer}{'_reverse' if d == 1 else ''}"
 
 
-def _check_params(params: Any, gates: int, dirs: int, input_size: int) -> tuple[int, int, dict[str, Any]]:
-    """(num_layers, hidden_size, {label: array}) after checking every weight's shape."""
+def _entry_form(projections: bool) -> str:
+    return "(w_ih, w_hh, b_ih, b_hh, w_hr)" if projections else "(w_ih, w_hh, b_ih, b_hh)"
+
+
+def _check_entries(params: Any, dirs: int, allow_projections: bool) -> int:
+    """The length of every ``params`` entry (4, or 5 with LSTM projections), after checking the list."""
+    form = "(w_ih, w_hh, b_ih, b_hh)" + (" or (w_ih, w_hh, b_ih, b_hh, w_hr)" if allow_projections else "")
     if not isinstance(params, (list, tuple)) or not params:
         raise TypeError(
-            "params must be a non-empty list with one (w_ih, w_hh, b_ih, b_hh) tuple per layer and "
+            f"params must be a non-empty list with one {form} tuple per layer and "
             f"direction, got {type(params).__name__}"
             + (" of length 0" if isinstance(params, (list, tuple)) else "")
         )
@@ -327,35 +332,72 @@ def _check_params(params: Any, gates: int, dirs: int, input_size: int) -> tuple[
             f"params has {len(params)} entries but bidirectional=True needs two per layer "
             "(layer 0 forward, layer 0 reverse, layer 1 forward, ...)"
         )
+    first = params[0]
+    width = len(first) if isinstance(first, (list, tuple)) and len(first) in (4, 5) else 4
+    if width == 5 and not allow_projections:
+        width = 4  # reported below: only lstm takes a fifth entry
+    for k, entry in enumerate(params):
+        if not isinstance(entry, (list, tuple)) or len(entry) != width:
+            got = f"{len(entry)} entries" if isinstance(entry, (list, tuple)) else type(entry).__name__
+            hint = ""
+            if isinstance(entry, (list, tuple)) and len(entry) == 5 and not allow_projections:
+                hint = "; only lstm takes a fifth entry (w_hr, the projection)"
+            elif isinstance(entry, (list, tuple)) and len(entry) in (4, 5):
+                hint = f"; every entry must have the form of params[0], {_entry_form(width == 5)}"
+            raise TypeError(f"params[{k}] must be a tuple {_entry_form(width == 5)} (biases may be None), "
+                            f"got {got}{hint}")
+    return width
+
+
+def _check_params(
+    params: Any, gates: int, dirs: int, input_size: int, allow_projections: bool = False
+) -> tuple[int, int, int, dict[str, Any]]:
+    """(num_layers, hidden_size, proj_size (0: none), {label: array}) after checking every weight's shape."""
+    width = _check_entries(params, dirs, allow_projections)
     labelled: dict[str, Any] = {}
     for k, entry in enumerate(params):
-        if not isinstance(entry, (list, tuple)) or len(entry) != 4:
-            raise TypeError(
-                f"params[{k}] must be a tuple (w_ih, w_hh, b_ih, b_hh) (biases may be None), got "
-                + (f"{len(entry)} entries" if isinstance(entry, (list, tuple)) else type(entry).__name__)
-            )
         for j, value in enumerate(entry):
-            labelled[_param_label(k, j, dirs)] = check_array(value, _param_label(k, j, dirs), optional=j >= 2)
+            labelled[_param_label(k, j, dirs)] = check_array(value, _param_label(k, j, dirs),
+                                                             optional=j in (2, 3))
     w_hh0 = params[0][1]
     label = _param_label(0, 1, dirs)
-    if w_hh0.ndim != 2 or int(w_hh0.shape[1]) < 1 or int(w_hh0.shape[0]) != gates * int(w_hh0.shape[1]):
-        raise ValueError(
-            f"{label} must have shape ({gates}*hidden_size, hidden_size) with hidden_size >= 1, "
-            f"got {tuple(w_hh0.shape)}"
-        )
-    hs = int(w_hh0.shape[1])
+    if width == 5:
+        if w_hh0.ndim != 2 or int(w_hh0.shape[1]) < 1 or int(w_hh0.shape[0]) % gates or int(w_hh0.shape[0]) < gates:
+            raise ValueError(
+                f"{label} must have shape ({gates}*hidden_size, proj_size) with proj_size >= 1 (params entries "
+                f"have a fifth weight, w_hr: projections), got {tuple(w_hh0.shape)}"
+            )
+        hs, proj = int(w_hh0.shape[0]) // gates, int(w_hh0.shape[1])
+        if proj >= hs:
+            raise ValueError(
+                f"proj_size must be smaller than hidden_size, as PyTorch requires: {label} has shape "
+                f"{tuple(w_hh0.shape)}, i.e. hidden_size={hs}, proj_size={proj}"
+            )
+    else:
+        if w_hh0.ndim != 2 or int(w_hh0.shape[1]) < 1 or int(w_hh0.shape[0]) != gates * int(w_hh0.shape[1]):
+            raise ValueError(
+                f"{label} must have shape ({gates}*hidden_size, hidden_size) with hidden_size >= 1, "
+                f"got {tuple(w_hh0.shape)}"
+            )
+        hs, proj = int(w_hh0.shape[1]), 0
+    out = proj or hs  # the size of h and of each direction's outputs
     layers = len(params) // dirs
-    for k, (w_ih, w_hh, b_ih, b_hh) in enumerate(params):
+    for k, entry in enumerate(params):
+        w_ih, w_hh, b_ih, b_hh = entry[:4]
         layer = k // dirs
-        features = input_size if layer == 0 else dirs * hs
-        src = "x's features" if layer == 0 else f"{dirs}*hidden_size, the previous layer's output"
+        features = input_size if layer == 0 else dirs * out
+        what = "proj_size" if proj else "hidden_size"
+        src = "x's features" if layer == 0 else f"{dirs}*{what}, the previous layer's output"
         check_shape(w_ih, _param_label(k, 0, dirs), (gates * hs, features),
                     f"({gates}*hidden_size, input_size) with hidden_size={hs} and input_size={features} ({src})")
-        check_shape(w_hh, _param_label(k, 1, dirs), (gates * hs, hs),
-                    f"({gates}*hidden_size, hidden_size) with hidden_size={hs}")
+        check_shape(w_hh, _param_label(k, 1, dirs), (gates * hs, out),
+                    f"({gates}*hidden_size, {what}) with hidden_size={hs}" + (f", proj_size={proj}" if proj else ""))
         for j, b in ((2, b_ih), (3, b_hh)):
             check_shape(b, _param_label(k, j, dirs), (gates * hs,), f"({gates}*hidden_size,) with hidden_size={hs}")
-    return layers, hs, labelled
+        if proj:
+            check_shape(entry[4], _param_label(k, 4, dirs), (proj, hs),
+                        f"(proj_size, hidden_size) with hidden_size={hs}, proj_size={proj}")
+    return layers, hs, proj, labelled
 
 
 def _check_lengths(lengths: Any, n: int, steps: int) -> tuple[int, ...] | None:
@@ -430,7 +472,7 @@ def _prepare_sequence(
         layout = "(N, T, input_size)" if batch_first else "(T, N, input_size)"
         raise ValueError(f"x must be 3-D {layout} (batch_first={batch_first}), got shape {tuple(x.shape)}")
     steps, n = (int(x.shape[1]), int(x.shape[0])) if batch_first else (int(x.shape[0]), int(x.shape[1]))
-    layers, hs, labelled = _check_params(params, gates, dirs, int(x.shape[2]))
+    layers, hs, proj, labelled = _check_params(params, gates, dirs, int(x.shape[2]), allow_projections=has_cell)
     states = {"h0": h0, "c0": c0} if has_cell else {"h0": h0}
     family, device = check_same_library({"x": x, **states, **labelled})
     xp = _arrays.namespace(x)
@@ -438,15 +480,16 @@ def _prepare_sequence(
     _check_state_dtype(xp, dtype, states)
     mixed = check_param_dtypes(xp, dtype, labelled)
     for name, value in states.items():
-        check_shape(value, name, (layers * dirs, n, hs),
-                    f"(num_layers*num_directions, N, hidden_size) with num_layers={layers}, "
-                    f"num_directions={dirs}, N={n}, hidden_size={hs}")
+        size, what = (proj, "proj_size") if proj and name == "h0" else (hs, "hidden_size")
+        check_shape(value, name, (layers * dirs, n, size),
+                    f"(num_layers*num_directions, N, {what}) with num_layers={layers}, "
+                    f"num_directions={dirs}, N={n}, {what}={size}")
     norm_lengths = _check_lengths(lengths, n, steps)
 
     arrays = {"x": x, **states}
     names = []
     for k, entry in enumerate(params):
-        row = tuple(_param_name(k, j, dirs) for j in range(4))
+        row = tuple(_param_name(k, j, dirs) for j in range(len(entry)))
         names.append(row)
         arrays.update(zip(row, entry))
     call_params = {
@@ -457,6 +500,7 @@ def _prepare_sequence(
         "num_layers": layers,
         "num_directions": dirs,
         "hidden_size": hs,
+        "proj_size": proj,
         "batch_first": batch_first,
         "lengths": norm_lengths,
         "param_names": tuple(names),
@@ -569,7 +613,10 @@ def lstm(
     for the reverse direction), ``(h_t, c_t) = lstm_cell(x_t, h_{t−1}, c_{t−1},
     w_ih, w_hh, b_ih, b_hh)`` (G = 4, gates i, f, g, o in the shapes below);
     layer l > 0 takes layer l − 1's outputs as its x.  The input projection of
-    all time steps is one matrix product.
+    all time steps is one matrix product.  With projections (``torch.nn.LSTM``'s
+    ``proj_size``: every ``params`` entry has a fifth weight ``w_hr``), the
+    hidden state is projected after each step, ``h_t = (o ⊙ tanh(c_t))·w_hrᵀ``,
+    and has P entries instead of H (``c_t`` keeps H).
 
     Args:
         x: ``(T, N, I)``, or ``(N, T, I)`` with ``batch_first=True``.
@@ -577,8 +624,12 @@ def lstm(
             direction, in PyTorch's order (layer 0 forward, layer 0 reverse,
             layer 1 forward, …): ``w_ih`` ``(G*H, I)`` for layer 0 and
             ``(G*H, D*H)`` above it, ``w_hh`` ``(G*H, H)``, biases ``(G*H,)`` or
-            ``None``.  The number of layers L is ``len(params) / D``.
-        h0: ``(L*D, N, H)`` initial hidden states in x's dtype, or ``None`` for zeros.
+            ``None``.  The number of layers L is ``len(params) / D``.  With
+            projections every entry is ``(w_ih, w_hh, b_ih, b_hh, w_hr)``:
+            ``w_hr`` ``(P, H)`` (PyTorch's ``weight_hr_l{k}``) with 1 <= P < H,
+            ``w_hh`` ``(G*H, P)`` and ``w_ih`` ``(G*H, D*P)`` above layer 0.
+        h0: ``(L*D, N, H)`` (``(L*D, N, P)`` with projections) initial hidden
+            states in x's dtype, or ``None`` for zeros.
         c0: ``(L*D, N, H)`` initial cell states in x's dtype, or ``None`` for zeros.
         batch_first: x and outputs are ``(N, T, ·)``; states stay ``(L*D, N, H)``.
         bidirectional: D = 2, a reverse direction per layer whose outputs are
@@ -593,7 +644,8 @@ def lstm(
     Returns:
         ``(outputs, (h_n, c_n))``: outputs ``(T, N, D*H)`` (``(N, T, D*H)``
         batch first), the last layer's h_t; h_n and c_n ``(L*D, N, H)``, every
-        layer's and direction's final states; all in x's dtype.
+        layer's and direction's final states; all in x's dtype.  With projections
+        outputs are ``(T, N, D*P)`` and h_n ``(L*D, N, P)``.
 
     Raises:
         ValueError: ``x`` not 3-D, an odd number of ``params`` entries with
@@ -601,14 +653,17 @@ def lstm(
             message names the entry, e.g. ``params[2][0] (w_ih_l1)``), lengths
             out of [1, T] or not one per sequence, arrays on different
             devices.
-        TypeError: ``params`` not a non-empty list of 4-tuples, non-arrays,
+        TypeError: ``params`` not a non-empty list of 4-tuples (or of 5-tuples
+            throughout, with projections), non-arrays,
             arrays of different libraries, a non-floating ``x``, states not in
             ``x``'s dtype, weight dtype mixes other than float16/bfloat16 ``x``
             with float32 weights, non-integer ``lengths``, non-bool flags.
 
     Gradients:
         ``vjp`` fields: ``(x, params, h0, c0)`` — the ``params`` gradient is a list of
-        4-tuples like ``params`` (``None`` for ``None`` biases); the pullback takes
+        4-tuples (5-tuples) like ``params`` (``None`` for ``None`` biases); with
+        projections dh_full = dh·w_hr feeds the cell's backward and dw_hr =
+        Σ_t dh_tᵀ·(o ⊙ tanh(c_t)); the pullback takes
         ``(d_outputs, (d_h_n, d_c_n))`` mirroring the result, any entry (or the state
         pair) ``None``.  Back-propagation through time; ``pullback(ct, out=...)`` takes
         ``params`` buffers as a list of 4-tuples.
@@ -620,7 +675,8 @@ def lstm(
         CuPy's ``RawModule``; ``numba_cuda``) for CuPy arrays and CUDA torch tensors,
         where ``pnn.capabilities()`` lists them; ``aten`` (torch tensors only, CPU or CUDA:
         PyTorch's fused layer, what ``torch.nn.LSTM`` runs; first under ``auto`` for torch
-        tensors, where it measured faster than ``numba``).
+        tensors, where it measured faster than ``numba``).  Projections run on ``reference``
+        and ``aten``; the other kernels decline them (``explain`` says so).
         ``pnn.explain`` reports which one a call runs and why the others were passed over.
     """
     return _prepare_sequence("lstm", 4, x, params, h0, c0, batch_first=batch_first,

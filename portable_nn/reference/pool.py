@@ -33,10 +33,13 @@ import math
 from typing import Any
 
 from ..dispatch import Call
-from ._common import compute_dtype, device, store
+from ._common import compute_dtype, device, index_dtype, store
 from ._windows import window_offsets, window_slice
 
-__all__ = ["avg_pool_backward", "avg_pool_forward", "max_pool_backward", "max_pool_forward"]
+__all__ = [
+    "avg_pool_backward", "avg_pool_forward", "max_pool_backward", "max_pool_forward", "max_unpool_backward",
+    "max_unpool_forward",
+]
 
 
 # --------------------------------------------------------------------------- geometry helpers
@@ -206,7 +209,29 @@ def max_pool_forward(call: Call) -> tuple[tuple[Any], Any]:
         best = xp.where(take, v, best)
         idx = xp.where(take, xp.asarray(t, dtype=xp.int32, device=dev), idx)
     residuals = (idx, tuple(x.shape), x.dtype, call.replace(arrays={})) if call.save else None
+    if call.params.get("return_indices"):
+        return (best, _flat_positions(xp, idx, geo, dev)), residuals
     return (best,), residuals
+
+
+def _flat_positions(xp: Any, idx: Any, geo: _Geometry, dev: Any) -> Any:
+    """The winning window offsets ``idx`` as flat positions in the input's spatial plane (−1 stays).
+
+    Offset ``t`` splits row-major into per-axis offsets ``t_i``; output ``o`` then reads
+    position ``o_i·s_i − lo_i + t_i·δ_i`` along axis ``i``, and the plane is row-major.
+    """
+    itype = index_dtype(xp)
+    t = xp.astype(idx, itype)
+    flat = None
+    inner_window, inner_plane = 1, 1
+    for i in reversed(range(len(geo.axes))):
+        t_i = (t // inner_window) % geo.window[i]
+        o_i = xp.reshape(xp.arange(geo.out_size[i], dtype=itype, device=dev), geo.broadcast_shape(i, geo.out_size[i]))
+        term = (o_i * geo.stride[i] - geo.lo[i] + t_i * geo.dilation[i]) * inner_plane
+        flat = term if flat is None else flat + term
+        inner_window *= geo.window[i]
+        inner_plane *= geo.in_size[i]
+    return xp.where(idx < 0, xp.asarray(-1, dtype=itype, device=dev), flat)
 
 
 def max_pool_backward(residuals: Any, cotangents: tuple[Any], needs: frozenset[str], out: dict) -> dict:
@@ -268,3 +293,80 @@ def avg_pool_backward(residuals: Any, cotangents: tuple[Any], needs: frozenset[s
     g = xp.astype(dy, cdt) / _divisor(xp, geo, call.divisors, cdt, device(dy))
     dx = _scatter(xp, ((offset, g) for offset in geo.offsets()), geo, g)
     return {"x": store(out, "x", xp.astype(dx, x_dtype))}
+
+
+# --------------------------------------------------------------------------- max_unpool
+
+
+def _unpool_keys(xp: Any, call: Call, x_shape: tuple[int, ...], indices: Any) -> tuple[Any, int]:
+    """Each entry's flat position in ``y`` (−1 where its index is out of range), and ``y.size``.
+
+    ``x`` is viewed as ``(B, P_in, K)`` and ``y`` as ``(B, P_out, K)`` (channels first: B = N·C,
+    K = 1; channels last: B = N, K = C), so entry ``(b, p, k)`` goes to ``(b·P_out + index)·K + k``.
+    """
+    first, last = call.spatial_axes[0], call.spatial_axes[-1]
+    batch = math.prod(x_shape[:first])
+    plane_in = math.prod(call.in_size)
+    plane_out = math.prod(call.out_size)
+    channels = math.prod(x_shape[last + 1:])
+    itype = index_dtype(xp)
+    dev = device(indices)
+    idx = xp.reshape(xp.astype(indices, itype), (batch, plane_in, channels))
+    b = xp.reshape(xp.arange(batch, dtype=itype, device=dev), (batch, 1, 1))
+    k = xp.reshape(xp.arange(channels, dtype=itype, device=dev), (1, 1, channels))
+    keys = (b * plane_out + idx) * channels + k
+    # Checked by the api on concrete values; traced (JAX) out-of-range entries are dropped.
+    keys = xp.where(xp.logical_or(idx < 0, idx >= plane_out), xp.asarray(-1, dtype=itype, device=dev), keys)
+    return xp.reshape(keys, (-1,)), batch * plane_out * channels
+
+
+def _unpool_shape(call: Call, x_shape: tuple[int, ...]) -> tuple[int, ...]:
+    shape = list(x_shape)
+    for a, o in zip(call.spatial_axes, call.out_size):
+        shape[a] = o
+    return tuple(shape)
+
+
+def max_unpool_forward(call: Call) -> tuple[tuple[Any], Any]:
+    """y: each x value at its index, zero elsewhere; duplicates: the last entry in x's order wins.
+
+    Without a scatter in the array API, the assignment is inverted into a gather: the entries'
+    keys (flat positions in ``y``) are sorted stably, and each position of ``y`` finds the last
+    entry with its key by binary search.  The backward needs, per entry, whether it won.
+    """
+    xp, x = call.xp, call.x
+    x_shape = tuple(x.shape)
+    keys, size = _unpool_keys(xp, call, x_shape, call.indices)
+    dev = device(x)
+    n = keys.shape[0]
+    if n == 0:
+        y = xp.zeros(_unpool_shape(call, x_shape), dtype=x.dtype, device=dev)
+        wins = keys >= 0
+    else:
+        order = xp.argsort(keys, stable=True)
+        sorted_keys = xp.take(keys, order)
+        wanted = xp.arange(size, dtype=keys.dtype, device=dev)
+        last = xp.astype(xp.searchsorted(sorted_keys, wanted, side="right"), keys.dtype) - 1
+        found = xp.where(last < 0, xp.zeros_like(last), last)
+        hit = xp.logical_and(last >= 0, xp.take(sorted_keys, found) == wanted)
+        winner = xp.where(hit, xp.take(order, found), xp.full_like(found, -1))  # per y position: its entry
+        values = xp.take(xp.reshape(x, (-1,)), xp.where(hit, winner, xp.zeros_like(winner)))
+        y = xp.reshape(xp.where(hit, values, xp.zeros_like(values)), _unpool_shape(call, x_shape))
+        valid = keys >= 0
+        entries = xp.arange(n, dtype=keys.dtype, device=dev)
+        wins = xp.logical_and(valid, xp.take(winner, xp.where(valid, keys, xp.zeros_like(keys))) == entries)
+    residuals = (keys, wins, x_shape, x.dtype, xp) if call.save else None
+    return (y,), residuals
+
+
+def max_unpool_backward(residuals: Any, cotangents: tuple[Any], needs: frozenset[str], out: dict) -> dict:
+    """dx: dy at each entry's index for the entry that was written, zero for the overwritten ones."""
+    if "x" not in needs:
+        return {}
+    keys, wins, x_shape, x_dtype, xp = residuals
+    dy = xp.reshape(xp.astype(cotangents[0], x_dtype), (-1,))
+    if keys.shape[0] == 0 or dy.shape[0] == 0:
+        return {"x": store(out, "x", xp.zeros(x_shape, dtype=x_dtype, device=device(dy)))}
+    gathered = xp.take(dy, xp.where(wins, keys, xp.zeros_like(keys)))
+    dx = xp.where(wins, gathered, xp.zeros_like(gathered))
+    return {"x": store(out, "x", xp.reshape(dx, x_shape))}

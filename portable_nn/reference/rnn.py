@@ -182,7 +182,7 @@ class _LSTM:
     has_extra = False
 
     def step(self, xp: Any, gi: Any, h: Any, c: Any, w_hh: Any, b_hh: Any) -> tuple[Any, Any, list, Any]:
-        hs = int(h.shape[-1])
+        hs = int(c.shape[-1])  # h has P < H entries with projections
         z = gi + xp.matmul(h, w_hh.T)
         if b_hh is not None:
             z = z + b_hh
@@ -290,6 +290,15 @@ class _GRU:
         return dw, db
 
 
+def _unprojected(xp: Any, res: _DirRes) -> Any:
+    """``(T, N, H)``: each LSTM step's hidden state before its projection, o ⊙ tanh(c_t)."""
+    hs = int(res.cprev.shape[-1])
+    gates = res.gates
+    i, f = gates[..., :hs], gates[..., hs : 2 * hs]
+    g, o = gates[..., 2 * hs : 3 * hs], gates[..., 3 * hs :]
+    return o * xp.tanh(f * res.cprev + i * g)
+
+
 def _flat(xp: Any, a: Any) -> Any:
     """``(T, N, F)`` as ``(T*N, F)``."""
     return xp.reshape(a, (int(a.shape[0]) * int(a.shape[1]), int(a.shape[2])))
@@ -310,10 +319,16 @@ def _kind(call: Call) -> Any:
 def _forward_direction(
     kind: Any, xp: Any, X: Any, w: tuple, h0: Any, c0: Any, mask: Any, reverse: bool, save: bool
 ) -> tuple[Any, Any, Any, _DirRes | None]:
-    """Run one layer direction over ``X`` ``(T, N, I)``: (outputs, h_T, c_T, residuals)."""
-    w_ih, w_hh, b_ih, b_hh = w
+    """Run one layer direction over ``X`` ``(T, N, I)``: (outputs, h_T, c_T, residuals).
+
+    ``w`` is ``(w_ih, w_hh, b_ih, b_hh)``, or with LSTM projections ``(…, w_hr)``: then each
+    step's hidden state is projected, ``h = h_full·w_hrᵀ`` (``hs`` below is h's size, P).
+    """
+    w_ih, w_hh, b_ih, b_hh = w[:4]
+    w_hr = w[4] if len(w) > 4 else None
     steps, n, features = (int(s) for s in X.shape)
     gh, hs = (int(s) for s in w_hh.shape)
+    cell = gh // kind.gates
     dt, dev = X.dtype, device(X)
     gi = xp.matmul(xp.reshape(X, (steps * n, features)), w_ih.T)
     if b_ih is not None:
@@ -324,7 +339,7 @@ def _forward_direction(
     gates = _Steps(xp, steps, (n, gh), dt, dev) if save else None
     extra = _Steps(xp, steps, (n, hs), dt, dev) if save and kind.has_extra else None
     hprev = _Steps(xp, steps, (n, hs), dt, dev) if save else None
-    cprev = _Steps(xp, steps, (n, hs), dt, dev) if save and kind.has_cell else None
+    cprev = _Steps(xp, steps, (n, cell), dt, dev) if save and kind.has_cell else None
     zeros = xp.zeros((n, hs), dtype=dt, device=dev) if mask is not None else None
 
     h, c = h0, c0
@@ -334,6 +349,8 @@ def _forward_direction(
             if cprev is not None:
                 cprev[t] = c
         h_new, c_new, parts, ex = kind.step(xp, gi[t, ...], h, c, w_hh, b_hh)
+        if w_hr is not None:
+            h_new = xp.matmul(h_new, w_hr.T)
         if save:
             gates.put(t, parts)
             if extra is not None:
@@ -373,14 +390,22 @@ def _backward_direction(
     want_w: bool,
     want_state: bool,
 ) -> tuple[Any, Any, Any, tuple | None]:
-    """Backward through time of one direction: (dX, dh0, dc0, (dw_ih, dw_hh, db_ih, db_hh))."""
-    w_ih, w_hh, b_ih, b_hh = w
+    """Backward through time of one direction: (dX, dh0, dc0, (dw_ih, dw_hh, db_ih, db_hh[, dw_hr])).
+
+    With projections each step's dh (P entries) is kept for dw_hr and enters the cell as
+    dh_full = dh·w_hr.
+    """
+    w_ih, w_hh, b_ih, b_hh = w[:4]
+    w_hr = w[4] if len(w) > 4 else None
     steps, n, features = (int(s) for s in X.shape)
     gh, hs = (int(s) for s in w_hh.shape)
+    cell = gh // kind.gates
     dt, dev = X.dtype, device(X)
     dgi = _Steps(xp, steps, (n, gh), dt, dev)
     dext = _Steps(xp, steps, (n, hs), dt, dev) if kind.has_extra else None
+    dproj = _Steps(xp, steps, (n, hs), dt, dev) if w_hr is not None else None
     zeros = xp.zeros((n, hs), dtype=dt, device=dev) if mask is not None else None
+    zeros_c = xp.zeros((n, cell), dtype=dt, device=dev) if mask is not None and kind.has_cell else None
 
     order = range(steps) if reverse else range(steps - 1, -1, -1)
     for k, t in enumerate(order):
@@ -392,8 +417,11 @@ def _backward_direction(
             g = xp.where(m, g, zeros)
             pass_h = xp.where(m, zeros, dh)
             if dc is not None:
-                gc = xp.where(m, dc, zeros)
-                pass_c = xp.where(m, zeros, dc)
+                gc = xp.where(m, dc, zeros_c)
+                pass_c = xp.where(m, zeros_c, dc)
+        if w_hr is not None:
+            dproj[t] = g
+            g = xp.matmul(g, w_hr)
         dh_prev, dc_prev = kind.step_back(xp, res, t, g, gc, w_hh, dgi, dext, want_prev)
         if want_prev:
             dh, dc = dh_prev, dc_prev
@@ -412,6 +440,8 @@ def _backward_direction(
         db_ih = xp.sum(d, axis=0) if b_ih is not None else None
         dw_hh, db_hh = kind.hidden_grads(xp, d, None if dext is None else dext.array(), res, b_hh is not None)
         wgrads = (dw_ih, dw_hh, db_ih, db_hh)
+        if w_hr is not None:
+            wgrads += (xp.matmul(_flat(xp, dproj.array()).T, _flat(xp, _unprojected(xp, res))),)
     return dX, (dh if want_state else None), (dc if want_state else None), wgrads
 
 
@@ -525,7 +555,8 @@ def _sequence_forward(call: Call) -> tuple[tuple[Any, ...], Any]:
     def initial(name: str) -> Any:
         value = call.arrays.get(name)
         if value is None:
-            return xp.zeros((layers * dirs, n, hs), dtype=cdt, device=dev)
+            size = (call.params.get("proj_size") or hs) if name == "h0" else hs
+            return xp.zeros((layers * dirs, n, size), dtype=cdt, device=dev)
         return _cast(xp, value, cdt)
 
     h0 = initial("h0")
@@ -561,7 +592,8 @@ def _sequence_backward(residuals: Any, cotangents: tuple[Any, ...], needs: froze
     call, kind, inputs, weights, dres, mask = residuals
     xp = call.xp
     cdt = inputs[0].dtype
-    layers, dirs, hs = call.num_layers, call.num_directions, call.hidden_size
+    layers, dirs = call.num_layers, call.num_directions
+    hs = call.params.get("proj_size") or call.hidden_size  # each direction's output size
     dY = _cast(xp, cotangents[0], cdt)
     if call.batch_first:
         dY = xp.permute_dims(dY, (1, 0, 2))

@@ -525,8 +525,6 @@ def test_gru_reset_before_form():
 
 
 def test_unsupported_arguments_raise_not_implemented():
-    with pytest.raises(NotImplementedError, match="proj_size"):
-        pnt.LSTM(3, 4, proj_size=2)
     with pytest.raises(NotImplementedError, match="padding_mode"):
         pnt.Conv2d(3, 4, 3, padding=1, padding_mode="reflect", channel_axis=-1)
     with pytest.raises(ValueError, match="channel_axis"):

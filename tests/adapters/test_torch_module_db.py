@@ -24,8 +24,7 @@ OURS = sorted(info.module_cls.__name__ for info in module_db if info.module_cls.
 INFOS = {info.module_cls.__name__: info for info in module_db if info.module_cls.__name__ in OURS}
 
 #: What the drop-ins refuse with NotImplementedError today (and the argument that makes them).
-KNOWN_GAPS = {"LSTM": "proj_size", "MaxPool1d": "return_indices", "MaxPool2d": "return_indices",
-              "MaxPool3d": "return_indices"}
+KNOWN_GAPS: dict[str, str] = {}
 
 
 def _tensors(value) -> list:

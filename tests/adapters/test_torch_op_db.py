@@ -77,16 +77,43 @@ def _per_axis(value: Any, d: int) -> Any:
 
 def _max_pool(d: int) -> Callable:
     def run(x, args, kw):
-        if _arg(args, kw, 5, "return_indices", False):
-            raise Refused("return_indices")
         stride = _arg(args, kw, 1, "stride", None)
         return pt.max_pool(x, _per_axis(_arg(args, kw, 0, "kernel_size", None), d),
                            stride=_per_axis(stride, d) if stride else None,
                            padding=_per_axis(_arg(args, kw, 2, "padding", 0), d),
                            dilation=_per_axis(_arg(args, kw, 3, "dilation", 1), d),
-                           ceil_mode=bool(_arg(args, kw, 4, "ceil_mode", False)))
+                           ceil_mode=bool(_arg(args, kw, 4, "ceil_mode", False)),
+                           return_indices=bool(_arg(args, kw, 5, "return_indices", False)))
 
     return run
+
+
+def _max_unpool(d: int) -> Callable:
+    def run(x, args, kw):
+        stride = _arg(args, kw, 2, "stride", None)
+        size = _arg(args, kw, 4, "output_size", None)
+        window = _per_axis(_arg(args, kw, 1, "kernel_size", None), d)
+        return pt.max_unpool(x, _arg(args, kw, 0, "indices", None), window,
+                             stride=_per_axis(stride, d) if stride else None,
+                             padding=_per_axis(_arg(args, kw, 3, "padding", 0), d),
+                             output_size=None if size is None else tuple(size))
+
+    return run
+
+
+def _written(indices: torch.Tensor, d: int) -> torch.Tensor:
+    """Per entry, whether it is the last in its plane naming its index (the one max_unpool writes)."""
+    planes = indices.reshape(-1, indices.shape[-d:].numel())
+    written = torch.zeros(planes.shape, dtype=torch.bool)
+    for plane, won in zip(planes.tolist(), written):
+        won[list({q: p for p, q in enumerate(plane)}.values())] = True
+    return written.reshape(indices.shape)
+
+
+def _unpool_gradient(d: int) -> Callable:
+    """torch's gradient of x made the derivative: zero for the entries a duplicate index overwrote
+    (torch.nn gives them the cotangent too, and skips its own gradient checks of such samples)."""
+    return lambda grad, args, kw: torch.where(_written(_arg(args, kw, 0, "indices", None), d), grad, 0.0)
 
 
 def _avg_pool(d: int) -> Callable:
@@ -133,9 +160,14 @@ OURS: dict[str, Callable] = {
     "nn.functional.avg_pool1d": _avg_pool(1),
     "nn.functional.avg_pool2d": _avg_pool(2),
     "nn.functional.avg_pool3d": _avg_pool(3),
+    "nn.functional.max_unpool1d": _max_unpool(1),
+    "nn.functional.max_unpool2d": _max_unpool(2),
+    "nn.functional.max_unpool3d": _max_unpool(3),
     "nn.functional.cross_entropy": _cross_entropy,
     "log_softmax": _log_softmax,
 }
+#: Per op, torch's input gradient -> the oracle's, where the two differ by design.
+GRADIENT_ORACLE: dict[str, Callable] = {f"nn.functional.max_unpool{d}d": _unpool_gradient(d) for d in (1, 2, 3)}
 #: Validations stricter than PyTorch's, by design (a clear error instead of a silent NaN or an
 #: extrapolated running average): the ValueError's message start, per reason.
 STRICTER = {
@@ -145,9 +177,6 @@ STRICTER = {
 }
 #: Per op, the reasons its refused samples give (each must occur; every other sample must run).
 KNOWN_GAPS = {
-    "nn.functional.max_pool1d": {"return_indices"},
-    "nn.functional.max_pool2d": {"return_indices"},
-    "nn.functional.max_pool3d": {"return_indices"},
     "nn.functional.batch_norm": {"momentum", "1-D input"},
     "nn.functional.instance_norm": {"momentum"},
     "nn.functional.layer_norm": {"eps"},
@@ -206,6 +235,8 @@ def test_op_samples_match_torch(name):
             warnings.simplefilter("ignore")  # torch's own notes (e.g. the copy an even-kernel "same" conv makes)
             want = info.op(sample.input, *sample.args, **sample.kwargs)
         torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9, equal_nan=True, msg=lambda m: f"{sample}: {m}")
+        if isinstance(want, tuple):  # (y, indices): the gradient flows through y
+            got, want = got[0], want[0]
         # every tensor the running statistics were in is updated alike
         for ours_t, theirs_t in zip(_leaves_or_buffers(args, kw), _leaves_or_buffers(sample.args, sample.kwargs)):
             torch.testing.assert_close(ours_t, theirs_t, rtol=1e-7, atol=1e-9, msg=lambda m: f"{sample} state: {m}")
@@ -215,6 +246,8 @@ def test_op_samples_match_torch(name):
             seed = torch.randn_like(want)
             g_theirs = torch.autograd.grad(want, inputs_theirs, seed, allow_unused=True)
             g_ours = torch.autograd.grad(got, inputs_ours, seed, allow_unused=True)
+            if name in GRADIENT_ORACLE:
+                g_theirs = (GRADIENT_ORACLE[name](g_theirs[0], sample.args, sample.kwargs), *g_theirs[1:])
             for g, w in zip(g_ours, g_theirs):
                 if w is not None:
                     torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-9, msg=lambda m: f"{sample} grad: {m}")

@@ -58,9 +58,49 @@ def test_pool_module_channels_last():
     assert torch.allclose(y, nn.AvgPool2d(3, stride=2, padding=1)(x), rtol=1e-12)
 
 
-def test_max_pool_return_indices_is_refused_by_name():
-    with pytest.raises(NotImplementedError, match="return_indices"):
-        pnt.MaxPool2d(2, return_indices=True)
+_UNPOOLS = [
+    (1, dict(kernel_size=3, stride=2, padding=1), (2, 3, 11), None),
+    (2, dict(kernel_size=(3, 2), stride=(2, 1), padding=(1, 0)), (2, 3, 7, 6), None),
+    (2, dict(kernel_size=3, stride=2), (3, 8, 7), (8, 8)),  # unbatched, output_size
+    (3, dict(kernel_size=2), (1, 2, 4, 5, 4), (1, 2, 5, 5, 4)),  # full-shape output_size
+]
+
+
+@pytest.mark.parametrize(("d", "kwargs", "shape", "output_size"), _UNPOOLS, ids=[f"{u[0]}d-{k}" for k, u in
+                                                                                 enumerate(_UNPOOLS)])
+def test_max_pool_indices_and_unpool_modules_match_torch(d, kwargs, shape, output_size):
+    """MaxPool*d(return_indices=True) then MaxUnpool*d: outputs, indices and gradients as torch.nn's.
+
+    Overlapping windows give duplicate indices: the last entry wins, as on PyTorch's CPU; the
+    gradient goes to that entry only (torch.nn gives it to every duplicate)."""
+    torch.manual_seed(2)
+    x = torch.randint(-3, 4, shape).to(DT)  # ties
+    results = []
+    for lib in (pnt, nn):
+        y, idx = getattr(lib, f"MaxPool{d}d")(**kwargs, return_indices=True)(x)
+        y = y.detach().requires_grad_(True)
+        unpool = getattr(lib, f"MaxUnpool{d}d")(**kwargs)
+        u = unpool(y, idx, output_size=output_size)
+        u.backward(torch.arange(u.numel(), dtype=DT).reshape(u.shape))
+        results.append((y.detach(), idx, u.detach(), y.grad))
+        assert repr(unpool) == repr(getattr(nn, f"MaxUnpool{d}d")(**kwargs))
+    (y, idx, u, dy), (y_t, idx_t, u_t, dy_t) = results
+    for ours, theirs in ((y, y_t), (idx, idx_t), (u, u_t)):
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+    planes = idx.reshape(-1, idx.shape[-d:].numel()) if idx.ndim > d else idx.reshape(1, -1)
+    written = torch.zeros(planes.shape, dtype=torch.bool)
+    for plane, won in zip(planes.tolist(), written):
+        won[list({q: p for p, q in enumerate(plane)}.values())] = True
+    assert torch.equal(dy, torch.where(written.reshape(idx.shape), dy_t, 0.0))
+
+
+def test_unpool_module_channels_last():
+    torch.manual_seed(3)
+    x = torch.randn(2, 3, 6, 6, dtype=DT)
+    y, idx = nn.functional.max_pool2d(x, 2, return_indices=True)
+    ours = pnt.MaxUnpool2d(2, channel_axis=-1)
+    u = ours(y.permute(0, 2, 3, 1).contiguous(), idx.permute(0, 2, 3, 1).contiguous()).permute(0, 3, 1, 2)
+    assert torch.equal(u, nn.MaxUnpool2d(2)(y, idx))
 
 
 def _drop_ins():

@@ -21,7 +21,7 @@ from pnn_testing import (
     to_numpy,
     unchanged,
 )
-from portable_nn.api.pool import avg_pool, max_pool
+from portable_nn.api.pool import avg_pool, max_pool, max_unpool
 from torch_oracle import from_layout, to_layout
 
 TORCH_MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
@@ -54,10 +54,19 @@ def _geometry_kwargs(geom: dict, batched: bool, *, use_dilation: bool) -> dict:
     return kwargs
 
 
-def _torch_pool(kind: str, x64: np.ndarray, dy64: np.ndarray, d: int, kwargs: dict) -> tuple[np.ndarray, np.ndarray]:
-    """PyTorch's output and input gradient, float64, batched channels-first."""
+def _torch_pool(kind: str, x64: np.ndarray, dy64: np.ndarray, d: int, kwargs: dict) -> tuple[np.ndarray, ...]:
+    """PyTorch's output and input gradient (and indices, with ``return_indices``), float64, batched
+    channels-first."""
     fn = (TORCH_MAX if kind == "max" else TORCH_AVG)[d]
     kw = dict(kwargs)
+    if kw.pop("return_indices", False):
+        xt = torch.tensor(x64, dtype=torch.float64, requires_grad=True)
+        window = kw.pop("window")
+        if kw.get("stride") is None:
+            kw.pop("stride", None)
+        yt, it = fn(xt, window, return_indices=True, **kw)
+        yt.backward(torch.tensor(dy64, dtype=torch.float64))
+        return yt.detach().numpy(), xt.grad.numpy(), it.numpy()
     window = kw.pop("window")
     if kw.get("stride") is None:
         kw.pop("stride", None)
@@ -88,10 +97,13 @@ def _run_case(case, kind, geom, layout, batched, extra, rng):
     x = case.asarray(to_layout(base, layout, batched))
     channel_axis = -1 if layout == "last" else 1
     before = snapshot([x])
+    indices = None
     with case.use():
         y, pullback = pnn.vjp(op, x, channel_axis=channel_axis, **kwargs)
+        if kwargs.get("return_indices"):
+            y, indices = y
         dy = case.asarray(rng.standard_normal(tuple(y.shape)))
-        grads = pullback(dy)
+        grads = pullback((dy, None) if indices is not None else dy)
     assert unchanged([x], before)
     assert family_of(y) == case.lib and family_of(grads.x) == case.lib
     assert y.dtype == x.dtype and grads.x.dtype == x.dtype
@@ -99,13 +111,18 @@ def _run_case(case, kind, geom, layout, batched, extra, rng):
     dy64 = from_layout(to_numpy(dy), layout, batched)
     torch_kwargs = dict(_geometry_kwargs(geom, True, use_dilation=kind == "max"))
     torch_kwargs.update(extra)
-    y_ref, dx_ref = _torch_pool(kind, x64, dy64, d, torch_kwargs)
+    y_ref, dx_ref, *index_ref = _torch_pool(kind, x64, dy64, d, torch_kwargs)
+    if indices is not None:
+        assert family_of(indices) == case.lib and tuple(indices.shape) == tuple(y.shape)
+        assert "int64" in str(indices.dtype)
+        np.testing.assert_array_equal(from_layout(np.asarray(to_numpy(indices)), layout, batched), index_ref[0])
     assert_close(from_layout(to_numpy(y), layout, batched), y_ref, case.tol, f"{kind}_pool output")
     assert_close(from_layout(to_numpy(grads.x), layout, batched), dx_ref, case.tol, f"{kind}_pool dx")
 
 
 _MAX_GRID = grid(
-    {"geom": list(GEOMS), "layout": ["first", "last"], "batched": [True, False], "ceil_mode": [False, True]}
+    {"geom": list(GEOMS), "layout": ["first", "last"], "batched": [True, False], "ceil_mode": [False, True],
+     "return_indices": [False, True]}
 )
 _AVG_GRID = grid(
     {
@@ -123,7 +140,8 @@ _AVG_GRID = grid(
 @pytest.mark.parametrize("cfg", _MAX_GRID)
 def test_max_pool_matches_torch(case, cfg):
     rng = np.random.default_rng(list(GEOMS).index(cfg["geom"]))
-    _run_case(case, "max", GEOMS[cfg["geom"]], cfg["layout"], cfg["batched"], {"ceil_mode": cfg["ceil_mode"]}, rng)
+    extra = {"ceil_mode": cfg["ceil_mode"], "return_indices": cfg["return_indices"]}
+    _run_case(case, "max", GEOMS[cfg["geom"]], cfg["layout"], cfg["batched"], extra, rng)
 
 
 @pytest.mark.parametrize("case", cases("avg_pool"))
@@ -374,3 +392,137 @@ def test_avg_pool_rejects_a_bad_divisor_override():
 def test_avg_pool_rejects_bad_count_include_pad():
     with pytest.raises(TypeError, match="count_include_pad"):
         avg_pool(_X4, 2, count_include_pad=None)
+
+
+# --------------------------------------------------------------------------- max_unpool
+
+TORCH_UNPOOL = {1: F.max_unpool1d, 2: F.max_unpool2d, 3: F.max_unpool3d}
+
+#: (x spatial before pooling, window, stride, padding, output_size): overlapping windows give
+#: duplicate indices; output_size within a stride of the default.
+UNPOOLS = {
+    "1d-k3-s2-p1": ((9,), 3, 2, 1, None),
+    "2d-k3-s2-overlap": ((7, 6), 3, 2, 0, (8, 6)),
+    "2d-k2x3-s1x2-p1x0": ((5, 6), (2, 3), (1, 2), (1, 0), (5, 6)),
+    "3d-k2": ((4, 5, 4), 2, None, 0, (5, 5, 4)),
+}
+
+_UNPOOL_GRID = grid({"geom": list(UNPOOLS), "layout": ["first", "last"], "batched": [True, False]})
+
+
+def _written_entries(indices: np.ndarray) -> np.ndarray:
+    """Per entry of (N, C, *spatial) indices, whether it is the last in its plane naming its index."""
+    planes = indices.reshape(indices.shape[0] * indices.shape[1], -1)
+    wins = np.zeros(planes.shape, bool)
+    for plane, won in zip(planes, wins):
+        last = {q: p for p, q in enumerate(plane)}
+        won[list(last.values())] = True
+    return wins.reshape(indices.shape)
+
+
+def _torch_unpool_case(geom: str, rng: np.random.Generator):
+    """x, indices from PyTorch's max_pool over tied values, max_unpool's output and dx, float64.
+
+    PyTorch gives every duplicate entry the cotangent; the derivative (ours) gives it to the entry
+    that was written only."""
+    spatial, window, stride, padding, output_size = UNPOOLS[geom]
+    d = len(spatial)
+    source = torch.tensor(rng.integers(-2, 3, (2, 3, *spatial)).astype(np.float64))
+    pooled, indices = TORCH_MAX[d](source, window, stride=stride, padding=padding, return_indices=True)
+    x = pooled.clone().requires_grad_(True)
+    y = TORCH_UNPOOL[d](x, indices, window, stride=stride, padding=padding, output_size=output_size)
+    dy = torch.tensor(rng.standard_normal(tuple(y.shape)))
+    y.backward(dy)
+    kwargs = dict(stride=stride, padding=padding, output_size=output_size)
+    dx = np.where(_written_entries(indices.numpy()), x.grad.numpy(), 0.0)
+    return x.detach().numpy(), indices.numpy(), y.detach().numpy(), dy.numpy(), dx, window, kwargs
+
+
+@pytest.mark.parametrize("case", cases("max_unpool", mixed=False))
+@pytest.mark.parametrize("cfg", _UNPOOL_GRID)
+def test_max_unpool_matches_torch(case, cfg):
+    rng = np.random.default_rng(list(UNPOOLS).index(cfg["geom"]))
+    x64, idx64, y_ref, dy64, dx_ref, window, kwargs = _torch_unpool_case(cfg["geom"], rng)
+    layout, batched = cfg["layout"], cfg["batched"]
+    if not batched and isinstance(window, int):
+        window = (window,) * (x64.ndim - 2)
+    x = case.asarray(to_layout(x64, layout, batched))
+    indices = case.asarray(to_layout(idx64, layout, batched), "int64")
+    before = snapshot([x, indices])
+    with case.use():
+        y, pullback = pnn.vjp(max_unpool, x, indices, window, channel_axis=-1 if layout == "last" else 1, **kwargs)
+        dx = pullback(case.asarray(to_layout(dy64, layout, batched))).x
+    assert unchanged([x, indices], before)
+    assert family_of(y) == case.lib and y.dtype == x.dtype and dx.dtype == x.dtype
+    if not batched:  # the case is the first sample alone
+        y_ref, dx_ref = y_ref[:1], dx_ref[:1]
+    np.testing.assert_array_equal(from_layout(to_numpy(y), layout, batched), to_numpy(case.asarray(y_ref)))
+    assert_close(from_layout(to_numpy(dx), layout, batched), dx_ref, case.tol, "max_unpool dx")
+
+
+@pytest.mark.parametrize("case", cases("max_unpool", mixed=False))
+def test_max_unpool_duplicates_last_entry_wins(case):
+    x = case.asarray(np.array([[[1.0, 2.0, 3.0, 4.0]]]))
+    indices = case.asarray(np.array([[[5, 0, 5, 0]]]), "int64")
+    with case.use():
+        y, pullback = pnn.vjp(max_unpool, x, indices, 2)
+        dx = pullback(case.asarray(np.arange(8.0).reshape(1, 1, 8))).x
+    np.testing.assert_array_equal(to_numpy(y), [[[4.0, 0, 0, 0, 0, 3.0, 0, 0]]])
+    np.testing.assert_array_equal(to_numpy(dx), [[[0.0, 0.0, 5.0, 0.0]]])  # the overwritten entries get 0
+
+
+def test_max_unpool_inverts_max_pool_indices_in_every_layout():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 5, 6, 3))  # channels last, distinct values
+    y, indices = max_pool(x, 2, channel_axis=-1, return_indices=True)
+    restored = max_unpool(y, indices, 2, channel_axis=-1, output_size=(5, 6))
+    kept = restored != 0
+    np.testing.assert_array_equal(restored[kept], x[kept])
+    assert kept.sum() == y.size
+
+
+def test_max_unpool_directional_derivative():
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 3, 4))
+    indices = rng.integers(0, 8, (2, 3, 4))
+    y, pullback = pnn.vjp(max_unpool, x, indices, 3, stride=2, padding=1, output_size=(8,))
+    dy = rng.standard_normal(y.shape)
+    directional_check(lambda x: max_unpool(x, indices, 3, stride=2, padding=1, output_size=(8,)), {"x": x},
+                      {"x": pullback(dy).x}, dy)
+
+
+_XU = np.zeros((2, 3, 2, 2))
+_IU = np.zeros((2, 3, 2, 2), dtype=np.int64)
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda: max_unpool(_XU, _IU + 16, 2), ValueError, r"indices must be flat positions in \[0, 16\)"),
+        (lambda: max_unpool(_XU, _IU - 1, 2), ValueError, r"got values in \[-1, -1\]"),
+        (lambda: max_unpool(_XU, _IU[..., :1], 2), ValueError, "indices must have shape"),
+        (lambda: max_unpool(_XU, _IU.astype(np.float64), 2), TypeError, "indices must have an integer dtype"),
+        (lambda: max_unpool(_XU, [[0]], 2), TypeError, "indices must be an array"),
+        (lambda: max_unpool(_XU, _IU, 2, output_size=(6, 4)), ValueError, "strictly between 2 and 6"),
+        (lambda: max_unpool(_XU, _IU, 2, output_size=(4, 4, 4)), ValueError, "output_size must have 2 entries"),
+        (lambda: max_unpool(_XU, _IU, 2, padding=-1), ValueError, "padding must be >= 0"),
+        (lambda: max_unpool(_XU, _IU, 1, padding=1), ValueError, "max_unpool has no output"),
+        (lambda: max_unpool(_XU.astype(np.int64), _IU, 2), TypeError, "x must have a floating dtype"),
+        (lambda: max_unpool(_XU, torch.zeros(2, 3, 2, 2, dtype=torch.int64), 2), TypeError, "different libraries"),
+    ],
+)
+def test_max_unpool_bad_arguments(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_max_unpool_accepts_a_full_shape_output_size_as_torch():
+    x = np.ones((1, 2, 2, 2))
+    indices = np.zeros((1, 2, 2, 2), dtype=np.int64)
+    assert max_unpool(x, indices, 2, output_size=(1, 2, 5, 4)).shape == (1, 2, 5, 4)
+    assert max_unpool(x, indices, 2, output_size=5).shape == (1, 2, 5, 5)
+
+
+def test_max_pool_return_indices_validation():
+    with pytest.raises(TypeError, match="return_indices must be True or False"):
+        max_pool(_X4, 2, return_indices="yes")

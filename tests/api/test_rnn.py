@@ -21,6 +21,7 @@ from pnn_testing import (
 )
 from portable_nn import dispatch
 from portable_nn.api.rnn import gru, gru_cell, lstm, lstm_cell, rnn, rnn_cell
+from portable_nn.errors import BackendUnavailableError
 
 torch = pytest.importorskip("torch")
 
@@ -126,13 +127,14 @@ def torch_sequence(label, x, params, h0, c0, *, bidirectional, batch_first, leng
     kind = _kind(label)
     dirs = 2 if bidirectional else 1
     layers = len(params) // dirs
-    features, hs = x.shape[-1], params[0][1].shape[1]
-    has_bias = any(b is not None for p in params for b in p[2:])
+    proj = params[0][4].shape[0] if len(params[0]) == 5 else 0
+    features, hs = x.shape[-1], params[0][1].shape[0] // GATES[kind]
+    has_bias = any(b is not None for p in params for b in p[2:4])
     cls = {"rnn": torch.nn.RNN, "lstm": torch.nn.LSTM, "gru": torch.nn.GRU}[kind]
-    extra = {"nonlinearity": label.split("_")[1]} if kind == "rnn" else {}
+    extra = {"nonlinearity": label.split("_")[1]} if kind == "rnn" else {"proj_size": proj} if proj else {}
     module = cls(features, hs, num_layers=layers, bias=has_bias, batch_first=batch_first,
                  bidirectional=bidirectional, **extra).double()
-    names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+    names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr")
     tensors = []
     with torch.no_grad():
         for k, entry in enumerate(params):
@@ -155,8 +157,9 @@ def torch_sequence(label, x, params, h0, c0, *, bidirectional, batch_first, leng
     if kind == "lstm":
         hx = None
         if h0t is not None or c0t is not None:
-            zeros = torch.zeros(layers * dirs, x.shape[0 if batch_first else 1], hs, dtype=torch.float64)
-            hx = (zeros if h0t is None else h0t, zeros if c0t is None else c0t)
+            def zeros(size):
+                return torch.zeros(layers * dirs, x.shape[0 if batch_first else 1], size, dtype=torch.float64)
+            hx = (zeros(proj or hs) if h0t is None else h0t, zeros(hs) if c0t is None else c0t)
         out, (hn, cn) = module(inp, hx)
     else:
         out, hn = module(inp, h0t)
@@ -270,18 +273,23 @@ def _seq_call(label: str, case: Case, cfg: dict, seed: int = 1):
     kind = _kind(label)
     dirs = 2 if cfg["bidirectional"] else 1
     steps, n, hs, features = cfg["steps"], cfg["batch"], cfg["hidden"], cfg.get("features", 2)
-    layers = cfg["layers"]
+    layers, proj = cfg["layers"], cfg.get("proj", 0)
+    out = proj or hs  # h's size
     shape = (n, steps, features) if cfg["batch_first"] else (steps, n, features)
     x = rng.standard_normal(shape)
-    params = [
-        _weights(rng, GATES[kind], features if k < dirs else dirs * hs, hs, cfg["bias"])
-        for k in range(layers * dirs)
-    ]
-    h0 = rng.standard_normal((layers * dirs, n, hs)) * 0.8 if cfg["states"] else None
+    params = []
+    for k in range(layers * dirs):
+        w_ih, w_hh, b_ih, b_hh = _weights(rng, GATES[kind], features if k < dirs else dirs * out, hs, cfg["bias"])
+        if proj:  # w_hh takes the projected state; w_hr projects
+            w_hh = rng.uniform(-1, 1, (GATES[kind] * hs, proj)) * 0.9 / np.sqrt(hs)
+            params.append((w_ih, w_hh, b_ih, b_hh, rng.uniform(-1, 1, (proj, hs)) / np.sqrt(hs)))
+        else:
+            params.append((w_ih, w_hh, b_ih, b_hh))
+    h0 = rng.standard_normal((layers * dirs, n, out)) * 0.8 if cfg["states"] else None
     c0 = rng.standard_normal((layers * dirs, n, hs)) if cfg["states"] and kind == "lstm" else None
-    out_shape = (n, steps, dirs * hs) if cfg["batch_first"] else (steps, n, dirs * hs)
+    out_shape = (n, steps, dirs * out) if cfg["batch_first"] else (steps, n, dirs * out)
     dy = rng.standard_normal(out_shape)
-    dh = rng.standard_normal((layers * dirs, n, hs))
+    dh = rng.standard_normal((layers * dirs, n, out))
     dc = rng.standard_normal((layers * dirs, n, hs)) if kind == "lstm" else None
     lengths = _lengths(steps, n) if cfg["packed"] else None
     if lengths is not None:  # the oracle's padded outputs are zero there, and so are ours
@@ -292,7 +300,7 @@ def _seq_call(label: str, case: Case, cfg: dict, seed: int = 1):
                 dy[length:, b] = 0.0
     return {
         "x": case.asarray(x),
-        "params": [tuple(case.param(p) for p in entry) for entry in params],
+        "params": [tuple(None if p is None else case.param(p) for p in entry) for entry in params],
         "h0": case.asarray(h0),
         "c0": case.asarray(c0),
         "dy": case.asarray(dy),
@@ -335,7 +343,7 @@ def _check_seq_against_torch(label: str, a: dict, cfg: dict, outs, grads, tol: f
             _close(getattr(grads, name), egrads[name], tol, f"d{name}")
     assert isinstance(grads.params, list) and len(grads.params) == len(a["params"])
     for k, (row, erow, prow) in enumerate(zip(grads.params, egrads["params"], a["params"])):
-        assert isinstance(row, tuple) and len(row) == 4
+        assert isinstance(row, tuple) and len(row) == len(prow)
         for j, (g, e, p) in enumerate(zip(row, erow, prow)):
             _close(g, e, tol, f"dparams[{k}][{j}]")
             if g is not None:
@@ -351,6 +359,63 @@ def test_sequence_matches_torch(label: str, case: Case, cfg: dict) -> None:
         outs, grads, _ = _run_seq(label, a, cfg)
     assert unchanged(leaves, before)
     _check_seq_against_torch(label, a, cfg, outs, grads, case.tol)
+
+
+# --------------------------------------------------------------------------- LSTM projections
+
+
+PROJ_GRID = grid(
+    {
+        "layers": [1, 2],
+        "bidirectional": [False, True],
+        "batch_first": [False, True],
+        "packed": [False, True],
+        "bias": ["both", "none", "ih"],
+        "states": [True, False],
+    }
+)
+
+
+@pytest.mark.parametrize("case", [p.values[0] for p in cases("lstm")], ids=lambda c: c.id)
+@pytest.mark.parametrize("cfg", PROJ_GRID)
+def test_lstm_projections_match_torch(case: Case, cfg: dict) -> None:
+    """5-tuple params (torch.nn.LSTM's proj_size): every backend that takes them matches PyTorch;
+    the others, forced, refuse them by name."""
+    cfg = {**cfg, "steps": 4, "batch": 3, "hidden": 5, "proj": 2, "features": 3}
+    a = _seq_call("lstm", case, cfg)
+    leaves = [a["x"], a["h0"], a["c0"], *(p for e in a["params"] for p in e)]
+    before = snapshot(leaves)
+    impl = next(i for i in dispatch.implementations("lstm") if i.backend == case.backend)
+    with case.use():
+        call = pnn.explain(lstm, a["x"], a["params"], batch_first=cfg["batch_first"],
+                           bidirectional=cfg["bidirectional"]).call
+        if impl.supports.check is not None and impl.supports.check(call):
+            with pytest.raises(BackendUnavailableError, match="runs no LSTM projections"):
+                _run_seq("lstm", a, cfg)
+            return
+        outs, grads, _ = _run_seq("lstm", a, cfg)
+    assert unchanged(leaves, before)
+    _check_seq_against_torch("lstm", a, cfg, outs, grads, case.tol)
+
+
+def test_lstm_projection_shapes_are_checked() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 2, 3))
+    entry = (rng.standard_normal((20, 3)), rng.standard_normal((20, 2)), None, None, rng.standard_normal((2, 5)))
+    (y, (h, c)) = lstm(x, [entry])
+    assert y.shape == (4, 2, 2) and h.shape == (1, 2, 2) and c.shape == (1, 2, 5)
+    with pytest.raises(ValueError, match=r"params\[0\]\[4\] \(w_hr_l0\) must have shape \(2, 5\)"):
+        lstm(x, [(*entry[:4], rng.standard_normal((2, 4)))])
+    with pytest.raises(ValueError, match="proj_size must be smaller than hidden_size"):
+        lstm(x, [(rng.standard_normal((8, 3)), rng.standard_normal((8, 2)), None, None, rng.standard_normal((2, 2)))])
+    with pytest.raises(ValueError, match=r"h0 must have shape \(1, 2, 2\)"):
+        lstm(x, [entry], np.zeros((1, 2, 5)))
+    with pytest.raises(ValueError, match=r"c0 must have shape \(1, 2, 5\)"):
+        lstm(x, [entry], None, np.zeros((1, 2, 2)))
+    with pytest.raises(TypeError, match="every entry must have the form of params\\[0\\]"):
+        lstm(x, [entry, entry[:4]], bidirectional=True)
+    with pytest.raises(TypeError, match="only lstm takes a fifth entry"):
+        gru(x, [(rng.standard_normal((15, 3)), rng.standard_normal((15, 5)), None, None, entry[4])])
 
 
 # --------------------------------------------------------------------------- zero-size inputs

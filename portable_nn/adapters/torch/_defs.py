@@ -86,34 +86,40 @@ def _decode_padding(flat: list[int], mode: str) -> Any:
 
 
 def _encode_params(params: Any, name: str) -> tuple[Any, ...]:
-    """pnn's list of ``(w_ih, w_hh, b_ih, b_hh)`` → flat weights and biases.
+    """pnn's list of ``(w_ih, w_hh, b_ih, b_hh[, w_hr])`` → flat weights, biases and projections.
 
     A tensor list cannot hold ``None``: the op takes all biases or none, and a missing bias among
-    present ones becomes a constant zero tensor.
+    present ones becomes a constant zero tensor.  Projections (LSTM ``w_hr``) are all or none.
     """
-    if not isinstance(params, (list, tuple)) or not all(
-        isinstance(p, (list, tuple)) and len(p) == 4 and all(w is None or isinstance(w, Tensor) for w in p)
+    if not isinstance(params, (list, tuple)) or not params or not all(
+        isinstance(p, (list, tuple)) and len(p) in (4, 5) and all(w is None or isinstance(w, Tensor) for w in p)
         for p in params
     ):
-        raise Unencodable("params must be a list of (w_ih, w_hh, b_ih, b_hh) tuples, one per layer and direction")
+        raise Unencodable("params must be a list of (w_ih, w_hh, b_ih, b_hh) tuples (LSTM: or (w_ih, w_hh, b_ih, "
+                          "b_hh, w_hr)), one per layer and direction")
+    projections = [p[4] for p in params if len(p) == 5]
+    if projections and (len(projections) != len(params) or any(w is None for w in projections)):
+        raise Unencodable("params entries must all be 4-tuples or all 5-tuples with a w_hr tensor")
     weights = [w for p in params for w in (p[0], p[1])]
     bias_values = [b for p in params for b in (p[2], p[3])]
     if all(b is None for b in bias_values):
-        return weights, []
+        return weights, [], projections
     biases = []
     for k, b in enumerate(bias_values):
         if b is None:
             w_hh = params[k // 2][1]
             b = w_hh.new_zeros(w_hh.shape[0])
         biases.append(b)
-    return weights, biases
+    return weights, biases, projections
 
 
-def _decode_params(weights: Sequence[Tensor], biases: Sequence[Tensor]) -> list[tuple[Any, ...]]:
+def _decode_params(weights: Sequence[Tensor], biases: Sequence[Tensor],
+                   projections: Sequence[Tensor]) -> list[tuple[Any, ...]]:
     params = []
     for k in range(len(weights) // 2):
         b_ih, b_hh = (biases[2 * k], biases[2 * k + 1]) if biases else (None, None)
-        params.append((weights[2 * k], weights[2 * k + 1], b_ih, b_hh))
+        entry = (weights[2 * k], weights[2 * k + 1], b_ih, b_hh)
+        params.append((*entry, projections[k]) if projections else entry)
     return params
 
 
@@ -179,7 +185,8 @@ KINDS: dict[str, Kind] = {
                    lambda values, per_axis: tuple(values) if per_axis else values[0]),
     "Padding": Kind((("int[]", "{}"), ("str", "padding_mode")), _encode_padding, _decode_padding),
     "ActivationLike": Kind((("str", "{}"), ("float", "slope")), lambda v, n: _act(v), _act_arg),
-    "RnnParams": Kind((("Tensor[]", "weights"), ("Tensor[]", "biases")), _encode_params, _decode_params),
+    "RnnParams": Kind((("Tensor[]", "weights"), ("Tensor[]", "biases"), ("Tensor[]", "projections")),
+                      _encode_params, _decode_params),
     "Lengths | None": Kind((("int[]?", "{}"),), _encode_lengths),
     "int": Kind((("int", "{}"),), _scalar(int)),
     "int | None": Kind((("int?", "{}"),), _optional(_scalar(int))),
@@ -277,6 +284,22 @@ def nest_outputs(spec: OpSpec, flat: Sequence[Any]) -> Any:
     return _nest_tree(spec.outputs, flat)[0]
 
 
+def result_of(spec: OpSpec, flat: Sequence[Any], values: dict[str, Any]) -> Any:
+    """What the op returns for a call with arguments ``values``: the nested outputs, without the
+    optional outputs it did not request (the bare first output when none is requested)."""
+    nested = nest_outputs(spec, flat)
+    if not spec.optional_outputs:
+        return nested
+    requested = spec.requested(values)
+    kept = tuple(item for name, item in zip(spec.outputs, nested) if name in requested)
+    return kept if len(kept) > 1 else kept[0]
+
+
+def _placeholder(like: Tensor) -> Tensor:
+    """An output the call did not request (an optional output): empty, int64 (they are indices)."""
+    return like.new_empty(0, dtype=torch.int64)
+
+
 def _empty(like: Tensor) -> Tensor:
     return like.new_empty(0)
 
@@ -291,6 +314,11 @@ def _flattener(spec: OpSpec) -> Callable[[Any, dict[str, Any]], tuple[Any, ...]]
     n = len(spec.output_names)
 
     def flatten(result: Any, bound: dict[str, Any]) -> tuple[Any, ...]:
+        if spec.optional_outputs:  # the requested outputs, and an empty placeholder for each other one
+            requested = spec.requested(bound)
+            got = iter(result if len(requested) > 1 else (result,))
+            flat = [next(got) if name in requested else None for name in spec.output_names]
+            return tuple(_placeholder(flat[0]) if t is None else t for t in flat)  # the first is never optional
         if not spec.updates:
             return (result,) if n == 1 else tuple(_flatten_tree(spec.outputs, result))
         main = _flatten_tree(spec.outputs, result[0] if n == 1 else result[:n])
@@ -334,6 +362,8 @@ def _grad_of(slot: str, field_name: str, grads: Any) -> Any:
     if slot in ("weights", "biases"):  # the RnnParams slots: one entry per layer and direction
         j = 0 if slot == "weights" else 2
         return [g for entry in getattr(grads, field_name) for g in (entry[j], entry[j + 1])]
+    if slot == "projections":
+        return [entry[4] for entry in getattr(grads, field_name)]
     return getattr(grads, field_name)
 
 
@@ -356,13 +386,17 @@ def definition(spec: OpSpec) -> _OpDef:
     decode = _decoder(spec)
     flatten = _flattener(spec)
     n_main = len(spec.output_names)
+    n_diff = spec.n_diff_outputs
+    # Cotangents come for the differentiable outputs only; optional outputs take None (as pullbacks accept).
+    missing = [None] * (n_main - n_diff)
 
     def to_pnn(bound: dict[str, Any], recompute: bool = False) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return (), decode(bound)
 
     return _OpDef(
-        spec.name, spec.function, args, n_main + len(spec.updates), n_main, spec.grad_fields, to_pnn,
-        _faker(spec, decode, flatten), flatten=flatten, nest=lambda cts: nest_outputs(spec, list(cts)),
+        spec.name, spec.function, args, n_main + len(spec.updates), n_diff, spec.grad_fields, to_pnn,
+        _faker(spec, decode, flatten), flatten=flatten,
+        nest=lambda cts: nest_outputs(spec, [*cts, *missing]),
         field_of=_fields(spec), grad_of=_grad_of, available=_available,
         # Statistics the forward updated in place must not be saved (autograd would see them modified);
         # ``updated`` is false for ops that update nothing.

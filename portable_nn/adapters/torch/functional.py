@@ -16,7 +16,7 @@ import torch
 
 from ...api._common import OpSpec, all_specs
 from .. import op_function
-from ._defs import RETURN_STATS, Unencodable, encode, nest_outputs, store_updates, updated
+from ._defs import RETURN_STATS, Unencodable, encode, nest_outputs, result_of, store_updates, updated
 from ._ops import _OPS, _call, _eager, _wrt_mask
 
 
@@ -58,7 +58,7 @@ def _make(spec: OpSpec) -> Callable[..., Any]:
             if not isinstance(return_stats, bool):
                 raise TypeError(f"{RETURN_STATS} must be True or False, got {return_stats!r}")
             return _with_updates(spec, schema_args, values, return_stats)
-        return nest_outputs(spec, _call(spec.name, *schema_args))
+        return result_of(spec, _call(spec.name, *schema_args), values)
 
     return op_function(spec, "portable_nn.torch", _docstring(spec), run)
 

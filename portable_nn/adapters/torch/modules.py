@@ -423,13 +423,6 @@ class Linear(nn.Linear):
 # --------------------------------------------------------------------------- recurrent modules
 
 
-def _check_recurrent_args(proj_size: Any) -> None:
-    if proj_size:
-        raise NotImplementedError(
-            f"proj_size={proj_size!r}: LSTM projections are not supported by portable_nn's kernels (use proj_size=0)"
-        )
-
-
 def _packed_output(out: Tensor, packed: PackedSequence, batch_first: bool) -> PackedSequence:
     """A padded output in the caller's batch order → a PackedSequence laid out like ``packed``."""
     time_major = out.transpose(0, 1) if batch_first else out
@@ -454,13 +447,16 @@ class _Recurrent(nn.RNNBase):
     _has_cell = False
 
     def _params(self) -> list[tuple[Any, ...]]:
-        """pnn's list of ``(w_ih, w_hh, b_ih, b_hh)`` per layer and direction, from the registered parameters."""
+        """pnn's list of ``(w_ih, w_hh, b_ih, b_hh[, w_hr])`` per layer and direction, from the registered
+        parameters (``torch.nn``'s ``_flat_weights`` order: ``w_ih, w_hh[, b_ih, b_hh][, w_hr]``)."""
         names = self._flat_weights_names
-        per = 4 if self.bias else 2
+        projected = bool(getattr(self, "proj_size", 0))
+        per = (4 if self.bias else 2) + projected
         params = []
         for k in range(len(names) // per):
             entry = [getattr(self, name) for name in names[k * per:(k + 1) * per]]
-            params.append((*entry, None, None) if per == 2 else tuple(entry))
+            w_hr = [entry.pop()] if projected else []
+            params.append((*entry, *([] if self.bias else [None, None]), *w_hr))
         return params
 
     def _sequence(self, x: Tensor, params: list[tuple[Any, ...]], h0: Any, c0: Any, lengths: Any) -> tuple[Any, Any]:
@@ -543,9 +539,10 @@ class LSTM(_Recurrent):
     """Drop-in ``torch.nn.LSTM`` running our fused LSTM kernels (gate order i, f, g, o).
 
     Parameters ``weight_ih_l{k}[_reverse]``, ``weight_hh_l{k}[_reverse]``,
-    ``bias_ih_l{k}[_reverse]``, ``bias_hh_l{k}[_reverse]`` with ``torch.nn``'s
-    shapes, initialisation and state_dict keys.  ``forward`` also accepts
-    ``PackedSequence`` input and a ``lengths=`` keyword for padded batches.
+    ``bias_ih_l{k}[_reverse]``, ``bias_hh_l{k}[_reverse]`` (and ``weight_hr_l{k}[_reverse]``
+    with ``proj_size``) with ``torch.nn``'s shapes, initialisation and state_dict keys.
+    ``forward`` also accepts ``PackedSequence`` input and a ``lengths=`` keyword for padded
+    batches.
 
     Args:
         input_size: features of each input step.
@@ -556,7 +553,9 @@ class LSTM(_Recurrent):
         dropout: dropout between layers in training, through
             ``torch.nn.functional.dropout``.
         bidirectional: whether each layer also runs backwards in time.
-        proj_size: must be 0; projections raise ``NotImplementedError``.
+        proj_size: if > 0 (and < hidden_size), each step's hidden state is projected to
+            this size (``h_t = (o ⊙ tanh(c_t))·W_hrᵀ``), as in ``torch.nn.LSTM``; the
+            projections run on the reference and ``aten`` backends.
         device: where the parameters are created.
         dtype: their dtype.
 
@@ -578,9 +577,8 @@ class LSTM(_Recurrent):
         device: Any = None,
         dtype: Any = None,
     ) -> None:
-        _check_recurrent_args(proj_size)
         super().__init__("LSTM", input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
-                         0, device, dtype)
+                         proj_size, device, dtype)
 
     def _sequence(self, x: Tensor, params: list[tuple[Any, ...]], h0: Any, c0: Any, lengths: Any) -> tuple[Any, Any]:
         out, (h_n, c_n) = lstm(x, params, h0, c0, batch_first=self.batch_first, bidirectional=self.bidirectional,

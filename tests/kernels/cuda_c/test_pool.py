@@ -25,6 +25,10 @@ def pool_specs():
         ("max-nan", "max_pool", (nan, 2), {}),
         ("max-pad-only-windows", "max_pool", (r.standard_normal((1, 2, 3, 3)), 2),
          {"stride": 2, "padding": 1, "ceil_mode": True}),
+        ("max2d-indices", "max_pool", (ties, 3), {"stride": 2, "padding": 1, "ceil_mode": True,
+                                                   "return_indices": True}),
+        ("max1d-nlc-indices", "max_pool", (r.standard_normal((3, 9, 4)), (3,)),
+         {"stride": 2, "dilation": 2, "channel_axis": -1, "return_indices": True}),
         ("avg2d-exclude-pad-ceil", "avg_pool", (r.standard_normal((2, 3, 7, 6)), 3),
          {"stride": 2, "padding": 1, "ceil_mode": True, "count_include_pad": False}),
         ("avg2d-nhwc", "avg_pool", (r.standard_normal((2, 5, 6, 3)), 2), {"padding": 1, "channel_axis": -1}),
@@ -38,6 +42,24 @@ def pool_specs():
 POOL_SPECS = pool_specs()
 
 
+def unpool_specs():
+    """max_unpool of overlapping pools' indices (duplicates: the last entry wins), both layouts, 1-3-D."""
+    r = _rng(5)
+    dup = np.array([[[[0, 0, 5], [5, 7, 0]]]])  # duplicates within one plane
+    nhwc = r.integers(0, 20, (2, 3, 2, 4))
+    return [
+        ("unpool2d-duplicates", "max_unpool", (r.standard_normal((1, 1, 2, 3)), dup, 2), {}),
+        ("unpool2d-output-size", "max_unpool", (r.standard_normal((2, 3, 4, 3)), r.integers(0, 42, (2, 3, 4, 3)), 3),
+         {"stride": 2, "padding": 1, "output_size": (7, 6)}),
+        ("unpool2d-nhwc", "max_unpool", (r.standard_normal((2, 3, 2, 4)), nhwc, 2), {"channel_axis": -1}),
+        ("unpool1d-unbatched", "max_unpool", (r.standard_normal((3, 5)), r.integers(0, 10, (3, 5)), (2,)), {}),
+        ("unpool3d", "max_unpool", (r.standard_normal((1, 2, 2, 2, 3)), r.integers(0, 96, (1, 2, 2, 2, 3)), 2), {}),
+    ]
+
+
+UNPOOL_SPECS = unpool_specs()
+
+
 @needs_emulator
 @pytest.mark.parametrize("spec", POOL_SPECS, ids=[s[0] for s in POOL_SPECS])
 def test_emulated_pool(spec, monkeypatch):
@@ -47,9 +69,19 @@ def test_emulated_pool(spec, monkeypatch):
         emulated_case(cpool, "pool_forward", "pool_backward", spec, dtype, mixed, {"x"})
 
 
+@needs_emulator
+@pytest.mark.parametrize("spec", UNPOOL_SPECS, ids=[s[0] for s in UNPOOL_SPECS])
+def test_emulated_unpool(spec, monkeypatch):
+    monkeypatch.setattr(cpool, "BLOCK", 32)
+    monkeypatch.setattr(cpool, "MAX_BLOCKS", 3)
+    for dtype, mixed in ALL_DTYPES:
+        emulated_case(cpool, "unpool_forward", "unpool_backward", spec, dtype, mixed, {"x"})
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,mixed", ALL_DTYPES, ids=[d for d, _ in ALL_DTYPES])
-@pytest.mark.parametrize("spec", POOL_SPECS + LOSS_SPECS, ids=[s[0] for s in POOL_SPECS + LOSS_SPECS])
+@pytest.mark.parametrize("spec", POOL_SPECS + UNPOOL_SPECS + LOSS_SPECS,
+                         ids=[s[0] for s in POOL_SPECS + UNPOOL_SPECS + LOSS_SPECS])
 def test_gpu_pool_loss_match_reference(spec, dtype, mixed):
     gpu_compare(spec, dtype, mixed, tol_factor=2.0)
 

@@ -318,8 +318,8 @@ def _op_check(op, module, args, kwargs, settings, dtype="float64", bf16=False, p
 
     mine = importlib.import_module(f"kernels_gpu.numba_cuda.{module}")
     ref = importlib.import_module(f"portable_nn.reference.{module}")
-    fwd_name = "pool_forward" if module == "pool" else f"{op}_forward"
-    bwd_name = "pool_backward" if module == "pool" else f"{op}_backward"
+    entry = {"max_unpool": "unpool", "max_pool": "pool", "avg_pool": "pool"}.get(op, op)
+    fwd_name, bwd_name = f"{entry}_forward", f"{entry}_backward"
     rng = _rng(7)
     data_dtype = "float32" if bf16 else dtype
     pd = param_dtype or data_dtype
@@ -351,7 +351,12 @@ def _op_check(op, module, args, kwargs, settings, dtype="float64", bf16=False, p
     outs_r, res_r = getattr(ref, f"{op}_forward")(call)
     grads_r = getattr(ref, f"{op}_backward")(res_r, tuple(as_f64(d) for d in dys), needs, {})
     errors = {}
+    assert len(outs) == len(outs_r), (len(outs), len(outs_r))
     for i, (o, e) in enumerate(zip(outs, outs_r)):
+        if np.asarray(e).dtype.kind == "i":  # max_pool's indices: int64, exactly the reference's
+            assert o.dtype == np.int64, (o.dtype,)
+            errors[f"y{i}"] = float(np.any(np.asarray(o) != np.asarray(e)))
+            continue
         assert o.dtype == kcall.arrays[next(iter(kcall.arrays))].dtype, (o.dtype,)
         errors[f"y{i}"] = rel(as_f64(o), as_f64(e))
     for k in needs:
@@ -394,11 +399,32 @@ _POOL = {
     "avg-2d-divisor-override": ("avg_pool", (2, 2, 7, 5), {"window": 3, "stride": 2, "padding": 1, "ceil_mode": True,
                                                           "divisor_override": 4}, "float64", False, None),
     "max-empty-batch": ("max_pool", (0, 2, 5), {"window": 2}, "float64", False, None),
+    "max-2d-nhwc-indices": ("max_pool", (2, 5, 4, 3), {"window": 3, "stride": 2, "padding": 1, "channel_axis": -1,
+                                                       "ceil_mode": True, "return_indices": True}, "float32", False,
+                            None),
+    "max-3d-indices-ties": ("max_pool", (1, 2, 4, 5, 4), {"window": 2, "stride": 1, "return_indices": True},
+                            "float16", False, lambda x: np.round(x, 0, out=x)),
 }
 for _name, (_op, _shape, _kw, _dt, _bf, _prep) in _POOL.items():
     case(f"pool/{_name}/small")(
         lambda op=_op, shape=_shape, kw=_kw, dt=_dt, bf=_bf, prep=_prep: _op_check(
             op, "pool", (2.0 * _rng(5).standard_normal(shape),), kw, SMALL, dt, bf, prepare=prep)
+    )
+
+
+_UNPOOL = {
+    # name: (x shape, indices upper bound, kwargs, dtype, bf16); bounds below the x plane size force duplicates
+    "2d-duplicates": ((2, 3, 3, 4), 5, {"window": 2}, "float64", False),
+    "2d-nhwc-output-size": ((2, 3, 4, 5), 40, {"window": 2, "channel_axis": -1, "output_size": (7, 8)}, "float32",
+                            False),
+    "1d-unbatched-bf16": ((3, 6), 12, {"window": (2,)}, "float32", True),
+    "3d-float16": ((1, 2, 2, 3, 2), 96, {"window": 2, "stride": (2, 2, 2)}, "float16", False),
+}
+for _name, (_shape, _bound, _kw, _dt, _bf) in _UNPOOL.items():
+    case(f"pool/unpool-{_name}/small")(
+        lambda shape=_shape, bound=_bound, kw=_kw, dt=_dt, bf=_bf: _op_check(
+            "max_unpool", "pool", (_rng(6).standard_normal(shape), _rng(8).integers(0, bound, shape)), kw, SMALL,
+            dt, bf)
     )
 
 
