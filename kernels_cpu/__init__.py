@@ -15,7 +15,7 @@ import importlib.util
 
 from portable_nn.backends import Backend
 from portable_nn.dispatch import Support, register_builtin
-from portable_nn.kernel_checks import int32_pool_positions, int64_ignore_index, no_lstm_projections
+from portable_nn.kernel_checks import int32_pool_positions, int64_ignore_index
 
 #: What every NumPy-native CPU kernel takes: NumPy arrays and CPU torch tensors
 #: (zero-copy views), float32/float64, C-contiguous (strided input is copied,
@@ -75,10 +75,8 @@ for _op, _kind in (("rnn_cell", "cell"), ("lstm_cell", "cell"), ("gru_cell", "ce
         forward=f"kernels_cpu.rnn:{_kind}_forward",
         backward=f"kernels_cpu.rnn:{_kind}_backward",
         supports=Support(
-            check=no_lstm_projections if _op == "lstm" else None,
-            description="every argument but LSTM projections (both GRU forms, stacked, bidirectional, "
-            "batch_first, lengths)" if _op == "lstm" else
-            "every argument (both GRU forms, stacked, bidirectional, batch_first, lengths)",
+            description="every argument (both GRU forms, stacked, bidirectional, batch_first, lengths, "
+            "LSTM projections)",
             **CPU_SUPPORT,
         ),
         priority=NUMBA_PRIORITY,

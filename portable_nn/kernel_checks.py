@@ -25,6 +25,6 @@ def int64_ignore_index(call: Any) -> str | None:
 
 
 def no_lstm_projections(call: Any) -> str | None:
-    """Recurrent kernels written for square hidden states decline LSTM projections (``w_hr``)."""
+    """The GPU recurrent kernels decline LSTM projections (``w_hr``): their fused step writes h itself."""
     proj = call.params.get("proj_size") or 0
-    return None if not proj else f"runs no LSTM projections (proj_size={proj}; the reference and aten do)"
+    return None if not proj else f"runs no LSTM projections (proj_size={proj}; the reference, numba and aten do)"

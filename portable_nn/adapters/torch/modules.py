@@ -555,7 +555,7 @@ class LSTM(_Recurrent):
         bidirectional: whether each layer also runs backwards in time.
         proj_size: if > 0 (and < hidden_size), each step's hidden state is projected to
             this size (``h_t = (o ⊙ tanh(c_t))·W_hrᵀ``), as in ``torch.nn.LSTM``; the
-            projections run on the reference and ``aten`` backends.
+            projections run on the reference, ``numba`` and ``aten`` backends.
         device: where the parameters are created.
         dtype: their dtype.
 

@@ -29,33 +29,38 @@ VARIANTS = [
 VARIANT_IDS = ["rnn_tanh", "rnn_relu", "lstm", "gru", "gru_original"]
 
 
-def _params(rng, kind, layers, dirs, features, hs, dtype, bias=True):
+def _params(rng, kind, layers, dirs, features, hs, dtype, bias=True, proj=0):
     g = GATES[kind]
     scale = 0.9 / np.sqrt(hs)
+    out = proj or hs
     params = []
     for k in range(layers * dirs):
-        fin = features if k < dirs else dirs * hs
-        entry = [rng.uniform(-1, 1, (g * hs, fin)) * scale, rng.uniform(-1, 1, (g * hs, hs)) * scale]
+        fin = features if k < dirs else dirs * out
+        entry = [rng.uniform(-1, 1, (g * hs, fin)) * scale, rng.uniform(-1, 1, (g * hs, out)) * scale]
         entry += [rng.uniform(-0.5, 0.5, g * hs) if bias else None for _ in range(2)]
+        if proj:
+            entry.append(rng.uniform(-1, 1, (proj, hs)) * scale)
         params.append(tuple(None if p is None else p.astype(dtype) for p in entry))
     return params
 
 
 def _problem(kind, *, steps=5, n=3, features=4, hs=3, layers=2, bidirectional=False, batch_first=False,
-             lengths=None, bias=True, dtype=np.float64, seed=0):
+             lengths=None, bias=True, dtype=np.float64, seed=0, proj=0):
     rng = np.random.default_rng(seed)
     dirs = 2 if bidirectional else 1
+    out = proj or hs
     shape = (n, steps, features) if batch_first else (steps, n, features)
-    out_shape = (n, steps, dirs * hs) if batch_first else (steps, n, dirs * hs)
-    state = (layers * dirs, n, hs)
+    out_shape = (n, steps, dirs * out) if batch_first else (steps, n, dirs * out)
+    state = (layers * dirs, n, out)
+    cell = (layers * dirs, n, hs)
     return {
         "x": rng.standard_normal(shape).astype(dtype),
-        "params": _params(rng, kind, layers, dirs, features, hs, dtype, bias),
+        "params": _params(rng, kind, layers, dirs, features, hs, dtype, bias, proj),
         "h0": (rng.standard_normal(state) * 0.5).astype(dtype),
-        "c0": rng.standard_normal(state).astype(dtype) if kind == "lstm" else None,
+        "c0": rng.standard_normal(cell).astype(dtype) if kind == "lstm" else None,
         "dy": rng.standard_normal(out_shape).astype(dtype),
         "dh": rng.standard_normal(state).astype(dtype),
-        "dc": rng.standard_normal(state).astype(dtype) if kind == "lstm" else None,
+        "dc": rng.standard_normal(cell).astype(dtype) if kind == "lstm" else None,
         "kw": {"bidirectional": bidirectional, "batch_first": batch_first, "lengths": lengths},
     }
 
@@ -169,6 +174,34 @@ def test_sequence_float64_matches_the_reference(kind, kw, options, blocking):
     expected, _ = _sequence(kind, p, "reference", **kw)
     actual, _ = _sequence(kind, p, "numba", **kw)
     _assert_matches(actual, expected, 1e-12)
+
+
+@pytest.mark.parametrize("options", SEQUENCE_OPTIONS, ids=_options_id)
+def test_lstm_projections_match_the_reference(options, blocking):
+    """5-tuple params (w_hr): h and the outputs have P < H columns; float64 agreement, both paths."""
+    p = _problem("lstm", **{"hs": 5, "proj": 2, "n": 4, **options})
+    if "lengths" in p["kw"] and p["kw"]["lengths"] is not None:
+        p["kw"]["lengths"] = [*p["kw"]["lengths"], 2]
+    expected, _ = _sequence("lstm", p, "reference")
+    actual, grads = _sequence("lstm", p, "numba")
+    _assert_matches(actual, expected, 1e-12)
+    assert all(len(row) == 5 for row in grads.params)
+
+
+def test_lstm_projection_gradients_skip_unwanted_weights_and_fill_out_buffers():
+    p = _problem("lstm", hs=5, proj=2, bidirectional=True)
+    p["kw"]["bidirectional"] = True
+    with pnn.use_backend("numba"):
+        _, pullback = pnn.vjp(pnn.lstm, p["x"], p["params"], p["h0"], p["c0"], bidirectional=True,
+                              wrt=("x",))
+        assert pullback((p["dy"], None)).params is None
+        _, pullback = pnn.vjp(pnn.lstm, p["x"], p["params"], p["h0"], p["c0"], bidirectional=True)
+        buffers = [tuple(None if w is None else np.empty_like(w) for w in row) for row in p["params"]]
+        grads = pullback((p["dy"], (p["dh"], p["dc"])), out={"params": buffers})
+    _, expected = _sequence("lstm", p, "reference")
+    for row, buffer, want in zip(grads.params, buffers, expected.params):
+        assert all(g is b for g, b in zip(row, buffer))  # written in place, w_hr's gradient included
+        _assert_matches(list(row), list(want), 1e-12)
 
 
 @pytest.mark.parametrize("unbatched", [False, True], ids=["batched", "unbatched"])
