@@ -16,6 +16,7 @@ import importlib.util
 from portable_nn.backends import Backend
 from portable_nn.dispatch import Support, register_builtin
 from portable_nn.kernel_checks import int32_pool_positions, int64_ignore_index
+from portable_nn.kernel_notes import options
 
 #: What every NumPy-native CPU kernel takes: NumPy arrays and CPU torch tensors
 #: (zero-copy views), float32/float64, C-contiguous (strided input is copied,
@@ -75,8 +76,7 @@ for _op, _kind in (("rnn_cell", "cell"), ("lstm_cell", "cell"), ("gru_cell", "ce
         forward=f"kernels_cpu.rnn:{_kind}_forward",
         backward=f"kernels_cpu.rnn:{_kind}_backward",
         supports=Support(
-            description="every argument (both GRU forms, stacked, bidirectional, batch_first, lengths, "
-            "LSTM projections)",
+            description=options(_op),
             **CPU_SUPPORT,
         ),
         priority=NUMBA_PRIORITY,
@@ -117,7 +117,7 @@ for _op in ("max_pool", "avg_pool"):
         supports=Support(
             layouts=("channels_first", "channels_last"),
             check=int32_pool_positions,
-            description="1-3-D, batched or not, every stride/padding/dilation/ceil_mode",
+            description=options(_op),
             **CPU_SUPPORT,
         ),
         priority=NUMBA_PRIORITY,
@@ -132,7 +132,7 @@ register_builtin(
     backward="kernels_cpu.pool:unpool_backward",
     supports=Support(
         layouts=("channels_first", "channels_last"),
-        description="1-3-D, batched or not; duplicate indices: the last entry wins",
+        description=options("max_unpool"),
         **CPU_SUPPORT,
     ),
     priority=NUMBA_PRIORITY,
@@ -147,8 +147,8 @@ for _op in ("log_softmax", "cross_entropy"):
         forward=f"kernels_cpu.loss:{_op}_forward",
         backward=f"kernels_cpu.loss:{_op}_backward",
         supports=Support(
-            check=int64_ignore_index,
-            description="any class axis; integer or probability targets, weights, ignore_index, smoothing",
+            check=int64_ignore_index if _op == "cross_entropy" else None,
+            description=options(_op),
             **CPU_SUPPORT,
         ),
         priority=NUMBA_PRIORITY,

@@ -166,7 +166,7 @@ def _k_serial(step, ta, tb, m, n, kk, alpha, a, a_off, lda, b, b_off, ldb, parti
 #: Output rows (or columns) of one part of :func:`parallel_gemm` at least: narrower parts lose
 #: BLAS efficiency (a (32, 64) part of a K=12800 product ran at 51 GFLOP/s, (256, 64) at 97).
 MIN_PART = 128
-#: Multiply-adds of a whole product at least before it is split (PERFORMANCE.md §6: a parallel
+#: Multiply-adds of a whole product at least before it is split (measured: a parallel
 #: launch costs ~10-20 us).
 MIN_PARALLEL_MACS = 1 << 20
 #: The most parts a product is split into: fixed by the shape, never by the thread count, so every

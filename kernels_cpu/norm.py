@@ -59,7 +59,7 @@ SUM_BLOCK = 256
 # 32 MiB: even; 64 MiB: 5.7/10.1 vs 6.8/11.6 ms; 128 MiB: 12.5/21.2 vs 14.5/23.3 ms (2 threads,
 # Xeon with AVX-512, whose copy bandwidth falls from 47 to 30 GB/s between 32 and 64 MiB).
 PIPELINE_MIN_BYTES = 32 << 20
-# Below this many elements the thread pool costs more than it saves (PERFORMANCE.md §6).
+# Below this many elements the thread pool costs more than it saves (measured: it pays only above ~50 us of work).
 PARALLEL_MIN_ELEMENTS = 1 << 15
 
 

@@ -74,7 +74,7 @@ from ._runtime import into as _into
 
 _OPTS = {"cache": True, "error_model": "numpy", "nogil": True}
 #: Element visits (output size × window size + input size) below which a call runs serially:
-#: the thread pool's start-up cost exceeds the gain under ~50 us of work (PERFORMANCE.md §6).
+#: the thread pool's start-up cost exceeds the gain under ~50 us of work (measured on 2 cores).
 PARALLEL_MIN_WORK = 1 << 16
 #: Channels per backward task in the channels-last layout (bounds the task's scatter region).
 CHANNEL_CHUNK = 64

@@ -1,9 +1,10 @@
-"""Command line: ``python -m portable_nn info | demo | bench | gpu-check | wheels``.
+"""Command line: ``python -m portable_nn info | demo | compile | bench | gpu-check | wheels``.
 
 ``info`` reports versions, which backends run on this machine (and why the
 others do not), Numba's threading layer, the kernel cache directory and the
 capability table.  ``demo`` is the main job: training on real data with
-portable_nn ops and ``pnn.vjp`` only (:mod:`portable_nn.examples`).  ``bench``
+portable_nn ops and ``pnn.vjp`` only (:mod:`portable_nn.examples`).  ``compile``
+fills the kernel cache ahead of time (:mod:`portable_nn.warmup`).  ``bench``
 measures every backend against PyTorch on the CPU; ``gpu-check`` runs the GPU
 tests and the GPU benchmark on a CUDA machine (:mod:`portable_nn.gpu_check`);
 ``wheels`` fetches the pure-Python dependencies for a machine without network.
@@ -37,14 +38,39 @@ def download_wheels(dest: str, python_version: str = "3.12") -> int:
     return code
 
 
+def _compile(args: argparse.Namespace) -> int:
+    """``compile``: every selected op's kernels, forward and backward, per dtype (see :mod:`portable_nn.warmup`)."""
+    import time
+
+    from .about import kernel_cache_dir
+    from .warmup import compile_kernels
+
+    ops = [op.strip() for op in args.ops.split(",") if op.strip()] if args.ops else None
+    start = time.perf_counter()
+    try:
+        compile_kernels(ops, [d.strip() for d in args.dtypes.split(",") if d.strip()], args.backend)
+    except ValueError as exc:
+        print(f"python -m portable_nn compile: {exc}", file=sys.stderr)
+        return 2
+    print(f"kernels ready in {time.perf_counter() - start:.1f} s; cache: {kernel_cache_dir()}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m portable_nn", description=__doc__.splitlines()[0])
+    summary = __doc__.splitlines()[0].replace("``", "")  # without its reStructuredText markup
+    parser = argparse.ArgumentParser(prog="python -m portable_nn", description=summary)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, available backends, threading layer, cache, capabilities")
     demo = sub.add_parser("demo", help="the main job: train a CNN and an LSTM on real data with portable_nn ops")
     from .examples import add_demo_arguments
 
     add_demo_arguments(demo)
+    compile_ = sub.add_parser("compile", help="compile the kernels ahead of time into the on-disk cache (for Docker "
+                              "images and CI); a process's first call of an op then loads instead of compiling")
+    compile_.add_argument("--ops", help="comma-separated op names (default: every op)")
+    compile_.add_argument("--dtypes", default="float32,float64",
+                          help="comma-separated dtypes (default: float32,float64)")
+    compile_.add_argument("--backend", default="numba", help="the kernel backend to compile (default: numba)")
     bench = sub.add_parser("bench", help="benchmark every backend against PyTorch (fwd, bwd, fwd+bwd)",
                            description="By default each contender runs each workload in its own fresh process "
                            "with the user's environment (tuning variables removed), alternated over rounds; "
@@ -83,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "info":
         print(report())
         return 0
+    if args.command == "compile":
+        return _compile(args)
     if args.command == "bench":
         from .bench import main as bench_main
 

@@ -1,4 +1,4 @@
-"""The kernel packages' on-disk Numba cache, kept in step with their sources.
+"""The kernel packages' on-disk Numba cache: kept in step with their sources, and announced when filled.
 
 Numba re-validates a cached kernel against its own source file only.  Our kernels inline
 functions from sibling modules (``activations.py`` into ``norm.py``, runtime helpers …), so an edit
@@ -6,12 +6,23 @@ there would leave stale machine code in the cache.  Each kernel package therefor
 all of its sources and drops its cache entries when the fingerprint changes.  Every kernel package
 (``kernels_cpu``, ``kernels_gpu.numba_cuda``) calls :func:`drop_stale_cache` from here, so no
 kernel package imports another.
+
+A kernel compiles on its first use with a dtype (tens of seconds for the first call of a process
+with an empty cache) and loads from the cache afterwards.  :func:`announce_compiles` makes that
+visible: before a kernel module's first compilation for a dtype it logs "compiling the numba conv
+kernels for float32 (first use only; cached in …)" to the ``portable_nn.compile`` logger, and,
+unless logging is configured for ``portable_nn`` or ``PORTABLE_NN_COMPILE_NOTICE=0``, writes it to
+stderr as well: every such line on a terminal, only the first one of the process otherwise.
+``python -m portable_nn compile`` fills the cache ahead of time (:mod:`portable_nn.warmup`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import sys
+import threading
 
 _FINGERPRINT_FILE = "portable_nn-sources.txt"
 
@@ -80,3 +91,89 @@ def drop_stale_cache(py_file: str) -> bool:
         return True
     except (OSError, ImportError, AttributeError):  # an unreadable cache, or Numba's internals moved
         return False
+
+
+# --------------------------------------------------------------------------- compile notices
+
+#: The logger compile notices go to (INFO).
+LOGGER = logging.getLogger("portable_nn.compile")
+#: Set to ``0`` to keep compile notices off stderr (they still go to :data:`LOGGER`).
+NOTICE_VARIABLE = "PORTABLE_NN_COMPILE_NOTICE"
+#: The kernel packages whose compilations are announced (module name prefixes).
+_KERNEL_PACKAGES = {"kernels_cpu": "numba", "kernels_gpu.numba_cuda": "numba_cuda"}
+_announced: set[tuple[str, str]] = set()
+_notice_lock = threading.Lock()
+_state = {"watching": False, "printed": False}
+
+
+def _what(module: str, args: tuple) -> tuple[str, str] | None:
+    """(``"numba conv"``, dtype name) for a compilation of one of our kernels, else ``None``."""
+    backend = next((b for prefix, b in _KERNEL_PACKAGES.items() if module.startswith(prefix + ".")), None)
+    if backend is None:
+        return None
+    family = module.rpartition(".")[2].lstrip("_")
+    dtype = next((str(a.dtype) for a in args if hasattr(a, "dtype") and hasattr(a, "ndim")), "")
+    return f"{backend} {family}", {"uint16": "bfloat16"}.get(dtype, dtype)
+
+
+def compile_notice(module: str, py_file: str, args: tuple) -> str | None:
+    """The message for the first compilation of ``module``'s kernels for these argument types (once)."""
+    found = _what(module, args)
+    if found is None:
+        return None
+    with _notice_lock:
+        if found in _announced:
+            return None
+        _announced.add(found)
+    kernels, dtype = found
+    where = numba_cache_dir(py_file) or "nowhere: the cache directory is not writable, set NUMBA_CACHE_DIR"
+    for_dtype = f" for {dtype}" if dtype else ""
+    return f"portable_nn: compiling the {kernels} kernels{for_dtype} (first use only; cached in {where})"
+
+
+def _announce(message: str) -> None:
+    LOGGER.info(message)
+    if os.environ.get(NOTICE_VARIABLE, "1") == "0" or logging.getLogger("portable_nn").hasHandlers():
+        return
+    stream = sys.stderr
+    terminal = bool(getattr(stream, "isatty", lambda: False)())
+    with _notice_lock:
+        if not terminal and _state["printed"]:
+            return
+        _state["printed"] = True
+    with contextlib.suppress(OSError, ValueError):
+        stream.write(message + ("\n" if terminal else "; more kernels may follow\n"))
+        stream.flush()
+
+
+def announce_compiles() -> None:
+    """Announce each kernel module's first compilation per dtype (see the module docstring).
+
+    Listens to Numba's ``numba:compile`` event, which fires on a cache miss only, before the
+    compilation starts; installed once per process by the kernel packages.
+    """
+    with _notice_lock:
+        if _state["watching"]:
+            return
+        _state["watching"] = True
+    try:
+        from numba.core import event
+    except ImportError:  # pragma: no cover - Numba without the event API: compile silently
+        return
+
+    class _Listener(event.Listener):
+        def on_start(self, ev: object) -> None:
+            data = getattr(ev, "data", None) or {}
+            dispatcher = data.get("dispatcher")
+            func = getattr(dispatcher, "py_func", None)
+            if func is None:
+                return
+            module = getattr(func, "__module__", "") or ""
+            message = compile_notice(module, getattr(func.__code__, "co_filename", ""), tuple(data.get("args", ())))
+            if message:
+                _announce(message)
+
+        def on_end(self, ev: object) -> None:
+            pass
+
+    event.register("numba:compile", _Listener())

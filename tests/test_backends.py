@@ -132,3 +132,49 @@ def test_the_how_to_page_names_what_the_toy_backend_touched():
     assert 'BACKEND = Backend(' in page and "register_builtin(" in page
     assert '[project.entry-points."portable_nn.backends"]' in page
     assert "tests/test_backends.py" in page
+
+
+# --------------------------------------------------------------------------- capability claims
+
+#: Phrases a kernel's capability note may use, and what the op must take for the claim to hold.
+_CLAIMS = {
+    r"\bbidirectional\b": lambda spec: "bidirectional" in spec.arguments,
+    r"\bbatch_first\b": lambda spec: "batch_first" in spec.arguments,
+    r"\blengths\b": lambda spec: "lengths" in spec.arguments,
+    r"\bstacked\b": lambda spec: "params" in spec.arguments,
+    r"GRU forms|reset_after": lambda spec: "reset_after" in spec.arguments,
+    r"projections?\b(?! of)": lambda spec: spec.name in ("lstm", "conv", "dense", "rnn", "gru", "rnn_cell",
+                                                          "lstm_cell", "gru_cell"),
+    r"LSTM projections": lambda spec: spec.name == "lstm",
+    r"\bignore_index\b": lambda spec: "ignore_index" in spec.arguments,
+    r"\bsmoothing\b": lambda spec: "label_smoothing" in spec.arguments,
+    r"\btargets?\b": lambda spec: "target" in spec.arguments,
+    r"\bactivations?\b": lambda spec: "activation" in spec.arguments,
+    r"\bkeepdims\b": lambda spec: "keepdims" in spec.arguments,
+    r"\bcorrection\b": lambda spec: "correction" in spec.arguments,
+    r"\bceil_mode\b": lambda spec: "ceil_mode" in spec.arguments,
+    r"\bdilation\b": lambda spec: "dilation" in spec.arguments,
+    r"\bgroups\b": lambda spec: "groups" in spec.arguments,
+    r"\bduplicate indices\b": lambda spec: "indices" in spec.arguments,
+    r"tanh or relu|tanh/relu": lambda spec: spec.name in ("rnn", "rnn_cell"),
+    r"\bstatistics\b": lambda spec: spec.family == "norm",
+}
+
+
+def _implementations():
+    from portable_nn.api._common import spec_of
+
+    for op in dispatch.op_names():
+        for impl in dispatch.implementations(op):
+            yield pytest.param(spec_of(op), impl, id=f"{op}-{impl.backend}")
+
+
+@pytest.mark.parametrize(("spec", "impl"), list(_implementations()))
+def test_every_capability_claim_holds_for_its_op(spec, impl):
+    """A kernel's note (info's capability table) claims only options its op takes: a note shared by
+    several ops must not name one op's options under another."""
+    import re
+
+    note = impl.supports.description
+    wrong = [claim for claim, holds in _CLAIMS.items() if re.search(claim, note) and not holds(spec)]
+    assert not wrong, f"{spec.name}[{impl.backend}] claims {wrong}: {note!r}"

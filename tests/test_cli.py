@@ -8,8 +8,11 @@ import sys
 import pytest
 
 
-def _run(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120)
+def _run(*args: str, env_extra: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    import os
+
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_import_is_light_and_fast():
@@ -70,3 +73,45 @@ def test_readme_quick_start_is_two_commands_and_ci_runs_the_second():
     assert len(blocks) == 2 and all("\n" not in b for b in blocks), blocks
     assert blocks[0].endswith("python -m portable_nn demo") and '".[examples]"' in blocks[0]
     assert blocks[1] in (root / ".ci" / "run").read_text()
+
+
+def test_help_has_no_markup():
+    out = _run("-m", "portable_nn", "--help")
+    assert out.returncode == 0 and "``" not in out.stdout and "compile" in out.stdout
+
+
+def test_compile_fills_the_cache_ahead_of_time(tmp_path):
+    """The first process compiles (and says so), the next one loads: no notice, nothing compiled."""
+    env = {"NUMBA_CACHE_DIR": str(tmp_path), "PORTABLE_NN_COMPILE_NOTICE": "1"}
+    first = _run("-m", "portable_nn", "compile", "--ops", "log_softmax", "--dtypes", "float64", env_extra=env,
+                 timeout=600)
+    assert first.returncode == 0, first.stderr
+    assert "log_softmax: compiled or loaded" in first.stdout and "kernels ready" in first.stdout
+    assert "compiling the numba loss kernels for float64" in first.stderr
+    second = _run("-m", "portable_nn", "compile", "--ops", "log_softmax", "--dtypes", "float64", env_extra=env,
+                  timeout=600)
+    assert second.returncode == 0, second.stderr
+    assert "portable_nn: compiling" not in second.stderr
+
+
+def test_compile_names_a_bad_op():
+    out = _run("-m", "portable_nn", "compile", "--ops", "layer_nrom")
+    assert out.returncode == 2 and "unknown op(s) layer_nrom" in out.stderr
+
+
+_WITHOUT_TORCH = "import sys; sys.modules['torch'] = None; "
+
+
+def test_the_torch_adapter_without_torch_says_what_to_install():
+    out = _run("-c", _WITHOUT_TORCH + "import portable_nn.torch")
+    assert out.returncode != 0
+    assert "ImportError: portable_nn.torch needs PyTorch: pip install 'portable_nn[torch]'" in out.stderr
+
+
+def test_bench_without_torch_measures_portable_nn_alone():
+    code = _WITHOUT_TORCH + ("from portable_nn.__main__ import main; "
+                             "sys.exit(main(['bench', '--quick', '--ops', 'log_softmax']))")
+    out = _run("-c", code, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "PyTorch is not installed: measuring portable_nn alone" in out.stderr
+    assert "Traceback" not in out.stderr and "numba" in out.stdout

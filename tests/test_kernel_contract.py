@@ -4,45 +4,15 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
 import pytest
 
 import portable_nn as pnn
 from portable_nn import dispatch
 from portable_nn.api._common import spec_of
+from portable_nn.warmup import samples
 
-
-def _a(*shape):
-    return np.random.default_rng(0).standard_normal(shape)
-
-
-def _params(gates, layers=1):
-    return [(_a(gates * 4, 3 if k == 0 else 4), _a(gates * 4, 4), _a(gates * 4), _a(gates * 4)) for k in range(layers)]
-
-
-#: One small valid call per op (a new op adds its own; tests/api/ holds the full grids).
-SAMPLES = {
-    "moments": ((_a(2, 3),), {"axis": 0}),
-    "batch_norm": ((_a(4, 3),), {"weight": _a(3), "bias": _a(3), "running_mean": np.zeros(3),
-                                 "running_var": np.ones(3)}),
-    "layer_norm": ((_a(2, 3), _a(3), _a(3)), {}),
-    "group_norm": ((_a(2, 4, 3), 2, _a(4), _a(4)), {}),
-    "instance_norm": ((_a(2, 3, 5),), {"weight": _a(3), "bias": _a(3)}),
-    "rms_norm": ((_a(2, 3), _a(3)), {}),
-    "rnn_cell": ((_a(2, 3), _a(2, 4), _a(4, 3), _a(4, 4)), {}),
-    "lstm_cell": ((_a(2, 3), _a(2, 4), _a(2, 4), _a(16, 3), _a(16, 4)), {}),
-    "gru_cell": ((_a(2, 3), _a(2, 4), _a(12, 3), _a(12, 4)), {}),
-    "rnn": ((_a(5, 2, 3), _params(1)), {}),
-    "lstm": ((_a(5, 2, 3), _params(4)), {}),
-    "gru": ((_a(5, 2, 3), _params(3)), {}),
-    "conv": ((_a(2, 3, 6, 6), _a(4, 3, 3, 3), _a(4)), {}),
-    "dense": ((_a(2, 3), _a(4, 3), _a(4)), {}),
-    "max_pool": ((_a(2, 3, 6, 6), 2), {}),
-    "avg_pool": ((_a(2, 3, 6, 6), 2), {}),
-    "max_unpool": ((_a(2, 3, 3, 3), np.zeros((2, 3, 3, 3), np.int64), 2), {}),
-    "log_softmax": ((_a(2, 3),), {}),
-    "cross_entropy": ((_a(4, 3), np.array([0, 2, 1, 0])), {}),
-}
+#: One small valid call per op (the ones ``python -m portable_nn compile`` runs; tests/api/ holds the grids).
+SAMPLES = {op: calls[0] for op, calls in samples("float64").items()}
 
 _WEIGHT_NAME = re.compile(r"[wb]_(ih|hh)_l\d+(_reverse)?")
 

@@ -14,6 +14,7 @@ import importlib.util
 from portable_nn.backends import Backend
 from portable_nn.dispatch import Support, register_builtin
 from portable_nn.kernel_checks import int32_pool_positions, int64_ignore_index, no_lstm_projections
+from portable_nn.kernel_notes import options
 
 #: What every CUDA C kernel takes: CuPy arrays and CUDA torch tensors, C-contiguous (strided
 #: input is copied, and ``explain`` reports the copy).
@@ -69,8 +70,8 @@ for _op in ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm
             dtypes=("float32", "float64", "float16", "bfloat16"),
             layouts=("channels_first", "channels_last"),
             mixed_precision=True,
-            description="float16/bfloat16 x with float32 statistics (float32 parameters allowed); "
-            "fused activation; deterministic block reductions",
+            description=f"{options(_op)}; float16/bfloat16 x with float32 statistics (float32 parameters "
+            "allowed); deterministic block reductions".lstrip("; "),
             **GPU_SUPPORT,
         ),
         priority=CUPY_PRIORITY,
@@ -86,7 +87,7 @@ for _op in ("max_pool", "avg_pool"):
             dtypes=("float32", "float64", "float16", "bfloat16"),
             layouts=("channels_first", "channels_last"),
             check=int32_pool_positions,
-            description="1-3-D, batched or not, every stride/padding/dilation/ceil_mode; gather backward",
+            description=f"{options(_op)}; gather backward",
             **GPU_SUPPORT,
         ),
         priority=CUPY_PRIORITY,
@@ -101,7 +102,7 @@ register_builtin(
         dtypes=("float32", "float64", "float16", "bfloat16"),
         layouts=("channels_first", "channels_last"),
         check=int32_pool_positions,
-        description="1-3-D, batched or not; duplicate indices: the last entry wins (atomicMax claim, then gather)",
+        description=f"{options('max_unpool')} (atomicMax claim, then gather)",
         **GPU_SUPPORT,
     ),
     priority=CUPY_PRIORITY,
@@ -117,7 +118,7 @@ for _op in ("log_softmax", "cross_entropy"):
         supports=Support(
             dtypes=("float32", "float64", "float16", "bfloat16"),
             check=int64_ignore_index if _op == "cross_entropy" else None,
-            description="any class axis; integer or probability targets, weights, ignore_index, smoothing",
+            description=options(_op),
             **GPU_SUPPORT,
         ),
         priority=CUPY_PRIORITY,
@@ -161,7 +162,7 @@ for _op in ("rnn_cell", "lstm_cell", "gru_cell"):
         supports=Support(
             dtypes=("float32", "float64"),
             mixed_precision=False,
-            description="batched or not, both GRU forms; cuBLAS projections + one fused kernel per pass",
+            description=f"{options(_op)}; cuBLAS products + one fused kernel per pass",
             **GPU_SUPPORT,
         ),
         priority=CUPY_PRIORITY,
@@ -177,8 +178,8 @@ for _op in ("rnn", "lstm", "gru"):
             dtypes=("float32", "float64"),
             mixed_precision=False,
             check=no_lstm_projections if _op == "lstm" else None,
-            description="stacked, bidirectional, batch_first, lengths, both GRU forms; input projection of "
-            "all steps in one GEMM, per step one cuBLAS GEMM + one fused kernel; deterministic",
+            description=f"{options(_op, but=('projections',))}; input projection of all steps in one GEMM, per "
+            "step one cuBLAS GEMM + one fused kernel; deterministic",
             **GPU_SUPPORT,
         ),
         priority=CUPY_PRIORITY,

@@ -18,6 +18,7 @@ import importlib.util
 from portable_nn.backends import Backend
 from portable_nn.dispatch import Support, register_builtin
 from portable_nn.kernel_checks import int32_pool_positions, int64_ignore_index, no_lstm_projections
+from portable_nn.kernel_notes import options
 
 #: What every Numba-CUDA kernel takes: CuPy arrays (and CUDA torch tensors, as zero-copy CuPy
 #: views), C-contiguous (strided input is copied, and ``explain`` reports the copy).
@@ -74,7 +75,7 @@ for _op in ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm
             dtypes=("float16", "bfloat16", "float32", "float64"),
             layouts=("channels_first", "channels_last"),
             mixed_precision=True,
-            description="float32 statistics for half x (float32 params allowed); fused activations",
+            description=f"{options(_op)}; float32 statistics for half x (float32 params allowed)".lstrip("; "),
             **GPU_SUPPORT,
         ),
         priority=NUMBA_CUDA_PRIORITY,
@@ -87,7 +88,7 @@ register_builtin(
     backward=f"{_PKG}.loss:log_softmax_backward",
     supports=Support(
         dtypes=("float16", "bfloat16", "float32", "float64"),
-        description="any axis; float32 math for half precision",
+        description=f"{options('log_softmax')}; float32 math for half precision",
         **GPU_SUPPORT,
     ),
     priority=NUMBA_CUDA_PRIORITY,
@@ -104,7 +105,7 @@ for _op in ("max_pool", "avg_pool"):
             dtypes=("float16", "bfloat16", "float32", "float64"),
             layouts=("channels_first", "channels_last"),
             check=int32_pool_positions,
-            description="1-3-D, batched or not, every stride/padding/dilation/ceil_mode; gather backward",
+            description=f"{options(_op)}; gather backward",
             **GPU_SUPPORT,
         ),
         priority=NUMBA_CUDA_PRIORITY,
@@ -119,7 +120,7 @@ register_builtin(
         dtypes=("float16", "bfloat16", "float32", "float64"),
         layouts=("channels_first", "channels_last"),
         check=int32_pool_positions,
-        description="1-3-D, batched or not; duplicate indices: the last entry wins (atomic-max claim)",
+        description=f"{options('max_unpool')} (atomic-max claim)",
         **GPU_SUPPORT,
     ),
     priority=NUMBA_CUDA_PRIORITY,
@@ -135,8 +136,7 @@ register_builtin(
         dtypes=("float16", "bfloat16", "float32", "float64"),
         mixed_precision=True,
         check=int64_ignore_index,
-        description="any class axis; integer or probability targets, weights, ignore_index, smoothing; "
-                    "deterministic two-pass reductions",
+        description=f"{options('cross_entropy')}; deterministic two-pass reductions",
         **GPU_SUPPORT,
     ),
     priority=NUMBA_CUDA_PRIORITY,
@@ -184,8 +184,7 @@ for _op, _kind in (("rnn_cell", "cell"), ("lstm_cell", "cell"), ("gru_cell", "ce
             dtypes=("float32", "float64"),
             mixed_precision=False,
             check=no_lstm_projections if _op == "lstm" else None,
-            description="every argument but LSTM projections (both GRU forms, stacked, bidirectional, "
-                        "batch_first, lengths); one GEMM + one fused kernel per step",
+            description=f"{options(_op, but=('projections',))}; one GEMM + one fused kernel per step",
             **GPU_SUPPORT,
         ),
         priority=NUMBA_CUDA_PRIORITY,

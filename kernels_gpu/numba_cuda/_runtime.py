@@ -29,7 +29,7 @@ import numpy as np
 from numba import config as _numba_config
 from numba import cuda
 
-from portable_nn.kernel_cache import drop_stale_cache
+from portable_nn.kernel_cache import announce_compiles, drop_stale_cache
 
 #: True under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``).
 SIMULATOR = bool(_numba_config.ENABLE_CUDASIM)
@@ -136,6 +136,7 @@ _DEVICE_OPTIONS: dict[str, Any] = {} if SIMULATOR else {"forceinline": True}
 _KERNEL_OPTIONS: dict[str, Any] = {} if SIMULATOR else {"cache": True}
 if not SIMULATOR:  # kernels inline device functions from sibling modules: see kernels_cpu._runtime
     drop_stale_cache(__file__)
+    announce_compiles()
 
 
 def kernel(signature: str, dtypes: tuple[str, ...] = tuple(VARIANTS)) -> Callable[[Callable], Any]:

@@ -43,6 +43,7 @@ import numpy as np
 
 from .. import dispatch
 from .environment import ISA_SETTINGS, describe_machine, tuned_environment, user_environment
+from .isolated import have_torch
 from .progress import Progress
 from .workloads import WORKLOADS, Workload
 
@@ -301,7 +302,7 @@ def run_suite(ops: list[str] | None = None, quick: bool = False, progress: bool 
             for backend in _contenders(workload):
                 if s.with_reference or backend != "reference":
                     fns.update({(backend, phase): fn for phase, fn in cases.portable(backend).items()})
-            if cases.torch is not None:
+            if cases.torch is not None and have_torch():
                 fns.update({("torch", phase): fn for phase, fn in cases.torch().items()})
             timed = time_interleaved({f"{b}|{p}": fn for (b, p), fn in fns.items()}, s.repeats,
                                      settle_s=s.settle_s, burst_s=s.burst_s)
@@ -513,6 +514,9 @@ def main(args: Any) -> int:
     from .report import format_report, plot_report, report_json
 
     s = settings_from_args(args)
+    if not have_torch():
+        print("PyTorch is not installed: measuring portable_nn alone, without the PyTorch columns "
+              "(pip install 'portable_nn[bench]' for the comparison)", file=sys.stderr)
     if s.mode != "user" and s.workloads:
         env = _in_process_environment(s)
         if env is not None and os.environ.get(_MARK) != "1":

@@ -8,7 +8,7 @@ Three environments, each derived from the process's own:
   (``torch.set_num_threads``, ``portable_nn.set_num_threads``), not by variables.
 * :func:`tuned_environment` — the process environment plus :data:`TUNED_SETTINGS`
   (the ``--tuned`` mode: ``OPENBLAS_THREAD_TIMEOUT`` against spinning BLAS workers, glibc
-  ``MALLOC_*`` against page faults on every large output, see ``../shared/PERFORMANCE.md``).
+  ``MALLOC_*`` against page faults on every large output).
 * either one with :data:`ISA_SETTINGS` for ``--isa avx2``: the AVX2 code paths forced in
   Numba, OpenBLAS, ATen and oneDNN alike.
 

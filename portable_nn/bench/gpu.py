@@ -3,7 +3,7 @@
 Part of ``python -m portable_nn gpu-check``.  Every workload of :data:`WORKLOADS`
 is placed on the device (CuPy arrays for portable_nn, CUDA tensors for PyTorch)
 and timed for each GPU backend that implements all of its ops, plus the large
-layer_norm / rms_norm rows the issue asks for in float32, float16 and bfloat16.
+layer_norm / rms_norm rows in float32, float16 and bfloat16.
 
 Timing: a sample runs a phase ``inner`` times back to back and then waits for
 the device (``torch.cuda.synchronize`` covers CuPy's and Numba's streams too),

@@ -79,6 +79,8 @@ def probe(env: Mapping[str, str], quick: bool, threads: int) -> dict[str, Any]:
 
 def have_torch() -> bool:
     """Whether PyTorch is installed (without importing it)."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"] is not None  # None: the import is blocked
     return importlib.util.find_spec("torch") is not None
 
 

@@ -1,4 +1,4 @@
-"""Benchmark workloads: the issue tracker's standard shapes, float32, fwd / bwd / fwd+bwd.
+"""Benchmark workloads: the standard shapes, float32, fwd / bwd / fwd+bwd.
 
 A :class:`Workload` names the ops it uses (a backend competes when it implements
 all of them) and builds its data once, returning closures per phase for a

@@ -52,6 +52,16 @@ the twin raises ``RuntimeError``: :mod:`portable_nn.adapters.torch.errors`).
 
 from __future__ import annotations
 
+try:
+    import torch as _torch  # noqa: F401  (the adapter's one requirement, checked before anything else)
+except ImportError as _missing:  # pragma: no cover - exercised in a process without PyTorch
+    raise ImportError(
+        "portable_nn.torch needs PyTorch: pip install 'portable_nn[torch]' (or a torch wheel; "
+        "pin a CPU build, e.g. torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu, to avoid a "
+        "multi-GB CUDA download)"
+    ) from _missing
+
+from ...api import merge_moments
 from .. import keep_public_path
 from . import (
     _defs,  # noqa: F401  (defines and registers the custom ops)
@@ -123,6 +133,7 @@ __all__ = [
     "MaxUnpool3d",
     "RMSNorm",
     "RNNCell",
+    "merge_moments",
     "saved_pullbacks",
 ]
 __all__ += functional.__all__

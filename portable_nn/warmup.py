@@ -1,0 +1,157 @@
+"""Compiling the kernels ahead of time: ``python -m portable_nn compile [--ops ...] [--dtypes ...]``.
+
+A kernel compiles on its first use with a dtype and is then loaded from Numba's on-disk cache
+(:mod:`portable_nn.kernel_cache`).  :func:`compile_kernels` makes those first uses happen now —
+in a Docker image build or a CI setup step — by running one small call of each op, forward and
+backward, per dtype and layout, on the chosen backend.  :func:`samples` is that call per op (the
+tests use it as "one valid call of every op").
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import api, config, dispatch
+from .autodiff import vjp
+
+__all__ = ["compile_kernels", "samples"]
+
+#: What ``compile`` builds by default: the dtypes the CPU kernels take.
+DEFAULT_DTYPES = ("float32", "float64")
+
+
+def _data(dtype: str) -> Callable[..., np.ndarray]:
+    rng = np.random.default_rng(0)
+    return lambda *shape: rng.standard_normal(shape).astype(dtype)
+
+
+def _rnn_params(a: Callable[..., np.ndarray], gates: int, features: int, hidden: int) -> list[tuple[Any, ...]]:
+    return [(a(gates * hidden, features), a(gates * hidden, hidden), a(gates * hidden), a(gates * hidden))]
+
+
+def samples(dtype: str = "float64") -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]]:
+    """Per op, small valid calls ``(args, kwargs)`` with data of ``dtype``: channels first, and
+    channels last where the op takes ``channel_axis`` (each compiles what its layout needs)."""
+    a = _data(dtype)
+    labels = np.array([0, 2, 1, 0])
+    both = ({}, {"channel_axis": -1})
+
+    def layouts(x_first: np.ndarray, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Any, ...]]:
+        x_last = np.ascontiguousarray(np.moveaxis(x_first, 1, -1))
+        return [((x if not extra else x_last, *args), {**kwargs, **extra}) for x, extra in zip((x_first,) * 2, both)]
+
+    return {
+        "moments": [((a(2, 3),), {"axis": 0})],
+        "batch_norm": layouts(a(4, 3, 2), (), {"weight": a(3), "bias": a(3), "running_mean": np.zeros(3, dtype),
+                                               "running_var": np.ones(3, dtype)}),
+        "layer_norm": [((a(2, 3), a(3), a(3)), {})],
+        "group_norm": layouts(a(2, 4, 3), (2, a(4), a(4)), {}),
+        "instance_norm": layouts(a(2, 3, 5), (), {"weight": a(3), "bias": a(3)}),
+        "rms_norm": [((a(2, 3), a(3)), {})],
+        "rnn_cell": [((a(2, 3), a(2, 4), a(4, 3), a(4, 4)), {})],
+        "lstm_cell": [((a(2, 3), a(2, 4), a(2, 4), a(16, 3), a(16, 4)), {})],
+        "gru_cell": [((a(2, 3), a(2, 4), a(12, 3), a(12, 4)), {})],
+        "rnn": [((a(5, 2, 3), _rnn_params(a, 1, 3, 4)), {})],
+        "lstm": [((a(5, 2, 3), _rnn_params(a, 4, 3, 4)), {})],
+        "gru": [((a(5, 2, 3), _rnn_params(a, 3, 3, 4)), {})],
+        "conv": [((a(2, 3, 6, 6), a(4, 3, 3, 3), a(4)), {}),
+                 ((np.ascontiguousarray(np.moveaxis(a(2, 3, 6, 6), 1, -1)), a(4, 3, 3, 3), a(4)),
+                  {"channel_axis": -1})],
+        "dense": [((a(2, 3), a(4, 3), a(4)), {})],
+        "max_pool": layouts(a(2, 3, 6, 6), (2,), {}),
+        "max_unpool": [((a(2, 3, 3, 3), np.zeros((2, 3, 3, 3), np.int64), 2), {})],
+        "avg_pool": layouts(a(2, 3, 6, 6), (2,), {}),
+        "log_softmax": [((a(2, 3),), {})],
+        "cross_entropy": [((a(4, 3), labels), {})],
+    }
+
+
+def _ones_like(tree: Any) -> Any:
+    """A cotangent shaped like an op's result: ones for every floating array."""
+    if isinstance(tree, tuple):
+        return tuple(_ones_like(t) for t in tree)
+    if tree is None or not np.issubdtype(np.asarray(tree).dtype, np.floating):  # indices take no cotangent
+        return None
+    return np.ones_like(tree)
+
+
+def _run(op: str, backend: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """One forward and backward of ``op`` on ``backend``; ``False`` when the backend declines the call."""
+    function = getattr(api, op)
+    with config.use_backend(**{op: backend}):
+        try:
+            function(*args, **kwargs)
+            result, pullback = vjp(function, *args, **kwargs)
+        except dispatch.BackendUnavailableError:
+            return False
+        pullback(_ones_like(result))
+    return True
+
+
+def compile_kernels(
+    ops: Sequence[str] | None = None,
+    dtypes: Iterable[str] = DEFAULT_DTYPES,
+    backend: str = "numba",
+    progress: bool | None = None,
+) -> dict[str, float]:
+    """Compile (or load from the cache) ``backend``'s kernels of ``ops`` for ``dtypes``.
+
+    Args:
+        ops: op names (default: every op).
+        dtypes: data dtypes to compile for (default float32 and float64).
+        backend: the kernel backend (default ``"numba"``, the CPU kernels).
+        progress: a progress bar (tqdm, when installed) on a terminal; ``None`` decides by
+            whether stderr is one.  Without one, a line per op.
+
+    Returns:
+        Seconds spent per op (compilation, or loading an already-filled cache).
+
+    Raises:
+        ValueError: an unknown op or dtype, or a backend that is not available here.
+    """
+    known = dispatch.op_names()
+    chosen = list(known) if not ops else list(ops)
+    unknown = [op for op in chosen if op not in known]
+    if unknown:
+        raise ValueError(f"unknown op(s) {', '.join(unknown)}; expected some of {', '.join(known)}")
+    dtypes = tuple(dtypes)
+    bad = [d for d in dtypes if d not in (*DEFAULT_DTYPES, "float16", "bfloat16")]
+    if bad:
+        raise ValueError(f"dtypes must be floating dtype names such as float32, got {', '.join(bad)}")
+    status = dispatch.backend_status(backend)
+    if not status:
+        raise ValueError(f"backend {backend!r} is not available here: {status.reason}")
+    terminal = bool(getattr(sys.stderr, "isatty", lambda: False)()) if progress is None else progress
+    bar = _bar(len(chosen), terminal)
+    timings: dict[str, float] = {}
+    calls = {dtype: samples(dtype) for dtype in dtypes if dtype != "bfloat16"}
+    for op in chosen:
+        if bar is not None:
+            bar.set_description(f"compiling {op}")
+        start = time.perf_counter()
+        ran = [_run(op, backend, args, kwargs) for dtype in calls for args, kwargs in calls[dtype][op]]
+        timings[op] = time.perf_counter() - start
+        if bar is not None:
+            bar.update(1)
+        else:
+            what = "compiled or loaded" if any(ran) else f"nothing: {backend} declines these calls"
+            print(f"{op}: {what} in {timings[op]:.1f} s", flush=True)
+    if bar is not None:
+        bar.close()
+    return timings
+
+
+def _bar(total: int, terminal: bool) -> Any:
+    """A tqdm progress bar on a terminal, else ``None``."""
+    if not terminal:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="op", file=sys.stderr)
