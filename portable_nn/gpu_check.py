@@ -218,13 +218,13 @@ def main(args: argparse.Namespace) -> int:
               f"{tests.get('errors', '?')} errors in {tests.get('seconds', 0):.0f} s", flush=True)
     report = preference = None
     if not args.skip_bench:
-        from .bench import progress_bar, split_selectors
+        from .bench import split_selectors
         from .bench.gpu import run_gpu_suite
 
         print("benchmarking against PyTorch CUDA …", flush=True)
         os.environ.setdefault("CUPY_CACHE_SAVE_CUDA_SOURCE", "0")
         selectors = split_selectors(args.ops) if args.ops else None
-        report = run_gpu_suite(args.quick, progress=progress_bar, selectors=selectors,
+        report = run_gpu_suite(args.quick, progress=True, selectors=selectors,
                                on_row=lambda r: print(f"  {r.workload} [{r.contender}, {r.phase}] "
                                                       f"{r.median_ms:.4f} ms", flush=True))
         preference = preference_from(report)

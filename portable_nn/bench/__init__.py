@@ -157,21 +157,6 @@ def _copy_bandwidth(quick: bool, nbytes: int | None = None) -> float:
     return 2 * src.nbytes / statistics.median(times) / 1e9
 
 
-def progress_bar(done: int, total: int, label: str) -> None:
-    """Progress on stderr: a bar redrawn in place on a terminal, one plain line per step otherwise."""
-    if not sys.stderr.isatty():
-        if done < total:
-            sys.stderr.write(f"[{done + 1}/{total}] {label}\n")
-        sys.stderr.flush()
-        return
-    width = 30
-    filled = int(width * done / max(total, 1))
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label[:40]:40s}")
-    sys.stderr.flush()
-    if done == total:
-        sys.stderr.write("\n")
-
-
 #: Pause between two contenders' calls: lets the previous runtime's worker threads (torch's OpenMP,
 #: Numba's TBB) stop spin-waiting, so no contender is timed while another's threads hold the cores.
 SETTLE_S = 0.02

@@ -22,6 +22,7 @@ from typing import Any
 
 from .. import dispatch
 from . import Report, Row, time_interleaved
+from .progress import Progress
 from .workloads import (
     WORKLOADS,
     Placement,
@@ -126,53 +127,59 @@ def gpu_environment() -> dict[str, Any]:
     }
 
 
-def run_gpu_suite(quick: bool = False, progress: Callable[[int, int, str], None] | None = None,
-                  selectors: Sequence[str] | None = None, on_row: Callable[[Row], None] | None = None) -> Report:
+def run_gpu_suite(quick: bool = False, progress: bool = False, selectors: Sequence[str] | None = None,
+                  on_row: Callable[[Row], None] | None = None) -> Report:
     """Measure every workload on the GPU; returns a :class:`~portable_nn.bench.Report`.
 
-    ``selectors`` keeps the workloads they match (op names or name substrings, as ``bench --ops``);
-    ``on_row`` sees each row as soon as it is measured (a log that survives an interrupted run).
+    ``progress`` shows the workloads on stderr (:class:`~portable_nn.bench.progress.Progress`: a
+    tqdm bar on a terminal, a line each otherwise); ``selectors`` keeps the workloads they match
+    (op names or name substrings, as ``bench --ops``); ``on_row`` sees each row as soon as it is
+    measured (a log that survives an interrupted run).
     """
     report = Report(gpu_environment(), cuda_copy_bandwidth(quick), quick=quick)
     plan = [(dtype, w) for dtype, w in [("float32", w) for w in WORKLOADS] + GPU_WORKLOADS if w.matches(selectors)]
     repeats = 5 if quick else 15
-    for n, (dtype, workload) in enumerate(plan):
-        if progress:
-            progress(n, len(plan), workload.label(quick))
-        place = Placement("cuda", dtype)
-        try:
-            cases = workload.build(quick, place)
-        except Exception as exc:  # a dtype PyTorch or CuPy cannot build here: reported, not fatal
-            report.notes.append(f"{workload.label(quick)}: not built ({type(exc).__name__}: {exc})")
-            continue
-        fns: dict[str, Callable[[], Any]] = {}
-        builders = {b: functools.partial(cases.portable, b) for b in gpu_contenders(workload, dtype)}
-        if cases.torch is not None:
-            builders["torch"] = cases.torch
-        for contender, build in builders.items():
-            try:
-                phases = build()
-                for fn in phases.values():
-                    fn()
-                _synchronize()
-            except Exception as exc:  # a failing contender is reported and left out, the rest go on
-                report.notes.append(f"{workload.label(quick)} [{contender}]: failed ({type(exc).__name__}: {exc})")
-                continue
-            fns.update({f"{contender}|{phase}": fn for phase, fn in phases.items()})
-        for key, seconds in _time_gpu(fns, repeats).items():
-            contender, phase = key.split("|")
-            moved = cases.bytes_moved.get(phase, 0)
-            row = Row(workload.label(quick), contender, phase, seconds * 1e3, moved)
-            if moved:
-                row.gbps = moved / seconds / 1e9
-                row.fraction_of_copy = row.gbps / report.copy_gbps
-            report.rows.append(row)
-            if on_row:
-                on_row(row)
-    if progress:
-        progress(len(plan), len(plan), "done")
+    bar = Progress(len(plan), enabled=progress)
+    for dtype, workload in plan:
+        with bar.step(workload.label(quick)):
+            _measure_gpu_workload(report, dtype, workload, quick, repeats, on_row)
+    bar.close()
     _fill_ratios(report)
     return report
+
+
+def _measure_gpu_workload(report: Report, dtype: str, workload: Any, quick: bool, repeats: int,
+                          on_row: Callable[[Row], None] | None) -> None:
+    """One workload's rows (every GPU contender and PyTorch), appended to ``report``."""
+    try:
+        cases = workload.build(quick, Placement("cuda", dtype))
+    except Exception as exc:  # a dtype PyTorch or CuPy cannot build here: reported, not fatal
+        report.notes.append(f"{workload.label(quick)}: not built ({type(exc).__name__}: {exc})")
+        return
+    fns: dict[str, Callable[[], Any]] = {}
+    builders = {b: functools.partial(cases.portable, b) for b in gpu_contenders(workload, dtype)}
+    if cases.torch is not None:
+        builders["torch"] = cases.torch
+    for contender, build in builders.items():
+        try:
+            phases = build()
+            for fn in phases.values():
+                fn()
+            _synchronize()
+        except Exception as exc:  # a failing contender is reported and left out, the rest go on
+            report.notes.append(f"{workload.label(quick)} [{contender}]: failed ({type(exc).__name__}: {exc})")
+            continue
+        fns.update({f"{contender}|{phase}": fn for phase, fn in phases.items()})
+    for key, seconds in _time_gpu(fns, repeats).items():
+        contender, phase = key.split("|")
+        moved = cases.bytes_moved.get(phase, 0)
+        row = Row(workload.label(quick), contender, phase, seconds * 1e3, moved)
+        if moved:
+            row.gbps = moved / seconds / 1e9
+            row.fraction_of_copy = row.gbps / report.copy_gbps
+        report.rows.append(row)
+        if on_row:
+            on_row(row)
 
 
 def _fill_ratios(report: Report) -> None:

@@ -8,7 +8,9 @@ optimiser (Adam by default, or SGD with momentum) is plain array code.
 
 The run trains both models on the chosen backend with a progress bar per epoch, then trains them
 again, from the same initialisation and with the same batches, on every other backend available
-on this machine (NumPy arrays for the CPU backends, CuPy arrays for the GPU ones), and ends with
+on this machine (NumPy arrays for the CPU backends, CuPy arrays for the GPU ones) and, when
+PyTorch is installed, as the same ``torch.nn`` models with ``torch.optim``
+(:mod:`.torch_twin`), and ends with
 a table of first-step time (kernel compilation or cache load), training time per epoch, the first
 epoch's loss (the backends agree to rounding) and the final held-out accuracy.
 
@@ -29,6 +31,7 @@ import numpy as np
 import portable_nn as pnn
 
 from . import data as data_module
+from . import torch_twin
 from . import train as training
 from .report import Outcome, array_library, format_goals, format_header, format_table
 from .train import RunStats, TrainConfig
@@ -72,6 +75,13 @@ def _resolve_backend(name: str, status: dict[str, Any]) -> str:
             raise pnn.BackendUnavailableError(f"--backend {name}: {status[name].reason}")
         return name
     return next(b for b in AUTO_ORDER if status[b])
+
+
+def _have_torch() -> bool:
+    """Whether PyTorch is installed (the demo then times the same models in it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
 
 
 def _array_module(backend: str) -> Any:
@@ -163,6 +173,13 @@ def run_demo(args: argparse.Namespace) -> int:
                 for outcome in _train_both(digits, compare_cfg, other, verbose=False):
                     print(_compare_line(outcome), flush=True)
                     outcomes.append(outcome)
+    if args.compare != "none" and _have_torch():
+        # Outside the BLAS limit above: PyTorch as a user's script runs it, with its own defaults.
+        print(f"\nthe same models in PyTorch ({torch_twin.LABEL}, torch.optim; same initialisation, same batches)")
+        for name in ("cnn", "lstm"):
+            outcome = Outcome(name, torch_twin.LABEL, stats=torch_twin.train_torch(name, digits, compare_cfg))
+            print(_compare_line(outcome), flush=True)
+            outcomes.append(outcome)
     print()
     print(format_table(outcomes, backend, status, digits, args.compare))
     print()

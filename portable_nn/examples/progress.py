@@ -1,19 +1,17 @@
-"""A dependency-free progress bar for the demo's epochs.
+"""The demo's per-epoch progress: a tqdm bar on a terminal, one summary line per epoch always.
 
-On a terminal the bar redraws in place (``\\r``) as batches finish, at most every 50 ms, and the
-finished epoch leaves one summary line.  When stdout is not a terminal (a pipe, a log file, CI)
-nothing is drawn while the epoch runs: only the summary line is printed, so logs stay clean.
+On a terminal, with tqdm installed (the ``examples`` extra), a bar follows the epoch's batches
+and the running loss and is replaced by the epoch's summary line.  Anywhere else (a pipe, a log
+file, CI, or no tqdm) nothing is drawn while the epoch runs, so logs hold only the summaries and
+never a carriage return.
 """
 
 from __future__ import annotations
 
 import sys
-import time
-from typing import TextIO
+from typing import Any, TextIO
 
 __all__ = ["Progress", "is_terminal"]
-
-_REDRAW_S = 0.05
 
 
 def is_terminal(stream: TextIO) -> bool:
@@ -24,48 +22,43 @@ def is_terminal(stream: TextIO) -> bool:
         return False
 
 
+def _tqdm(total: int, prefix: str, stream: TextIO) -> Any:
+    """A transient tqdm bar on ``stream``, or ``None`` without a terminal or without tqdm."""
+    if not is_terminal(stream):
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=prefix, file=stream, leave=False, unit="batch", mininterval=0.05)
+
+
 class Progress:
-    """One epoch's bar: ``prefix [#####.....] done/total  loss 0.1234``.
+    """One epoch's bar, then its summary line.
 
     Args:
         total: batches in the epoch.
         prefix: text before the bar (e.g. ``"  epoch  3/20"``).
         stream: where to write (stdout by default).
-        width: characters of the bar itself.
     """
 
-    def __init__(self, total: int, prefix: str, stream: TextIO | None = None, width: int = 24) -> None:
+    def __init__(self, total: int, prefix: str, stream: TextIO | None = None) -> None:
         self.total = max(total, 1)
         self.prefix = prefix
         self.stream = sys.stdout if stream is None else stream
-        self.width = width
-        self.live = is_terminal(self.stream)
-        self._last_draw = 0.0
-        self._drawn = 0
+        self._bar = _tqdm(self.total, prefix, self.stream)
 
     def update(self, done: int, loss: float) -> None:
-        """``done`` batches finished, running mean loss ``loss``; redraws on a terminal only."""
-        if not self.live:
-            return
-        now = time.perf_counter()
-        if done < self.total and now - self._last_draw < _REDRAW_S:
-            return
-        self._last_draw = now
-        filled = self.width * done // self.total
-        bar = "#" * filled + "." * (self.width - filled)
-        self._write(f"{self.prefix}  [{bar}] {done:>{len(str(self.total))}}/{self.total}  loss {loss:.4f}")
+        """``done`` batches finished, running mean loss ``loss`` (drawn on a terminal only)."""
+        if self._bar is not None:
+            self._bar.n = done
+            self._bar.set_postfix_str(f"loss {loss:.4f}", refresh=False)
+            self._bar.refresh()
 
     def finish(self, summary: str) -> None:
-        """Replace the bar (if drawn) by the epoch's summary line."""
-        if self.live:
-            self._write(summary)
-            self.stream.write("\n")
-        else:
-            self.stream.write(summary + "\n")
+        """Remove the bar (if drawn) and print the epoch's summary line."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        self.stream.write(summary + "\n")
         self.stream.flush()
-
-    def _write(self, line: str) -> None:
-        pad = max(self._drawn - len(line), 0)
-        self.stream.write("\r" + line + " " * pad)
-        self.stream.flush()
-        self._drawn = len(line)

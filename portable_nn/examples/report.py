@@ -28,6 +28,8 @@ def array_library(backend: str) -> str:
     that take torch tensors only (``aten``), which the demo, training on NumPy and CuPy arrays,
     does not compare.
     """
+    if backend == "torch.nn":  # the PyTorch twin of the models (examples.torch_twin)
+        return "torch"
     arrays = dispatch.backend_arrays(backend)
     return "numpy" if arrays == "any" else arrays
 
