@@ -23,8 +23,3 @@ def int64_ignore_index(call: Any) -> str | None:
     ignore = call.params.get("ignore_index", 0)
     return None if -(2**63) <= ignore < 2**63 else f"takes an int64 ignore_index, not {ignore}"
 
-
-def no_lstm_projections(call: Any) -> str | None:
-    """The GPU recurrent kernels decline LSTM projections (``w_hr``): their fused step writes h itself."""
-    proj = call.params.get("proj_size") or 0
-    return None if not proj else f"runs no LSTM projections (proj_size={proj}; the reference, numba and aten do)"

@@ -15,8 +15,8 @@ from .api._common import spec_of
 __all__ = ["options"]
 
 
-def options(op: str, *, but: tuple[str, ...] = ()) -> str:
-    """What ``op``'s kernels take, as a note's leading phrase (``but``: ``"projections"`` declined)."""
+def options(op: str) -> str:
+    """What ``op``'s kernels take, as a note's leading phrase."""
     spec = spec_of(op)
     args = spec.arguments
     parts: list[str] = []
@@ -28,7 +28,7 @@ def options(op: str, *, but: tuple[str, ...] = ()) -> str:
         parts.append("tanh or relu")
     if "reset_after" in args:
         parts.append("both GRU forms")
-    if op == "lstm" and "projections" not in but:
+    if op == "lstm":
         parts.append("LSTM projections")
     if "window" in args:
         geometry = "/".join(name for name in ("stride", "padding", "dilation", "ceil_mode") if name in args)

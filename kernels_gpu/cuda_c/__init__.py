@@ -13,7 +13,7 @@ import importlib.util
 
 from portable_nn.backends import Backend
 from portable_nn.dispatch import Support, register_builtin
-from portable_nn.kernel_checks import int32_pool_positions, int64_ignore_index, no_lstm_projections
+from portable_nn.kernel_checks import int32_pool_positions, int64_ignore_index
 from portable_nn.kernel_notes import options
 
 #: What every CUDA C kernel takes: CuPy arrays and CUDA torch tensors, C-contiguous (strided
@@ -177,9 +177,8 @@ for _op in ("rnn", "lstm", "gru"):
         supports=Support(
             dtypes=("float32", "float64"),
             mixed_precision=False,
-            check=no_lstm_projections if _op == "lstm" else None,
-            description=f"{options(_op, but=('projections',))}; input projection of all steps in one GEMM, per "
-            "step one cuBLAS GEMM + one fused kernel; deterministic",
+            description=f"{options(_op)}; input projection of all steps in one GEMM, per step one cuBLAS GEMM "
+            "+ one fused kernel (+ one GEMM with an LSTM projection); deterministic",
             **GPU_SUPPORT,
         ),
         priority=CUPY_PRIORITY,

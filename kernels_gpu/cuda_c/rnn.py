@@ -24,6 +24,12 @@ optional biases and initial states, both GRU forms), per layer::
     dW_hh = DGHᵀ · H_prev,  db_hh = Σ DGH             per direction, single GEMM / reduction over T·N rows
     dW_ih = DGIᵀ · X,  db_ih = Σ DGI,  dX = DGI · W_ih   per layer, both directions in one GEMM each
 
+An LSTM projection (``w_hr``, PyTorch's ``proj_size``) keeps the kernel as it is: its state and
+output are the unprojected o ⊙ tanh(c) in scratch rows, then one GEMM per step projects them and
+the projected state is kept (and written to Y) only for sequences still running
+(:func:`_project_step`); the backward hands the kernel dh·w_hr and keeps each step's dh for
+dw_hr = Σ dhᵀ·(o ⊙ tanh c) (:func:`_unproject_step`).
+
 The GRU with ``reset_after=False`` runs two kernel stages and two GEMMs per step (its n gate
 needs (r·h)·W_hnᵀ).  States live in per-direction (T+1, N, H) buffers (the state entering
 step t sits next to the one leaving it), so the backward reads H_prev without copies; without
@@ -189,12 +195,18 @@ class _Dir:
     one leaving it at ``t + 1 - reverse`` (with ``save``; otherwise two slots alternate).
     """
 
-    __slots__ = ("b_hh", "b_ih", "cseq", "gates", "hseq", "reverse", "rh", "w_hh", "w_ih")
+    __slots__ = ("b_hh", "b_ih", "cseq", "gates", "hseq", "reverse", "rh", "w_hh", "w_hr", "w_ih")
 
     def __init__(self, weights, reverse):
-        self.w_ih, self.w_hh, self.b_ih, self.b_hh = weights
+        self.w_ih, self.w_hh, self.b_ih, self.b_hh = weights[:4]
+        self.w_hr = weights[4] if len(weights) > 4 else None  # an LSTM projection (P, H)
         self.reverse = reverse
         self.hseq = self.cseq = self.gates = self.rh = None
+
+    @property
+    def out(self) -> int:
+        """The size of h and of this direction's outputs: P with a projection, else H."""
+        return int(self.w_hr.shape[0]) if self.w_hr is not None else int(self.w_hh.shape[1])
 
     def slots(self, t, k, save):
         """(entering, leaving) slot of step t, the k-th in this direction's order."""
@@ -205,6 +217,10 @@ class _Dir:
     def h_prev(self, steps):
         """The states entering each step, (T, N, H) in time order (a view)."""
         return self.hseq[1:] if self.reverse else self.hseq[:steps]
+
+    def c_next(self, steps):
+        """The cell states leaving each step, (T, N, H) in time order (a view; LSTM, saved)."""
+        return self.cseq[:steps] if self.reverse else self.cseq[1:]
 
 
 def _stacked(xp, mats):
@@ -221,8 +237,9 @@ def _seq_forward_direction(call, xp, gi, d, w, y, h_init, c_init, lengths, work)
     steps, n = int(gi.shape[0]), int(gi.shape[1])
     dtype, save = gi.dtype, bool(call.save)
     original = kind == "gru" and not call.reset_after
-    w.hseq = xp.empty((steps + 1 if save else 2, n, hs), dtype)
-    w.cseq = xp.empty_like(w.hseq) if kind == "lstm" else None
+    w.hseq = xp.empty((steps + 1 if save else 2, n, w.out), dtype)
+    w.cseq = xp.empty((steps + 1 if save else 2, n, hs), dtype) if kind == "lstm" else None
+    proj = w.w_hr is not None
     order = [steps - 1 - k if w.reverse else k for k in range(steps)]
     first = w.slots(order[0], 0, save)[0] if steps else 0
     last = w.slots(order[-1], steps - 1, save)[1] if steps else first
@@ -243,10 +260,14 @@ def _seq_forward_direction(call, xp, gi, d, w, y, h_init, c_init, lengths, work)
         s = t if save else 0
         xp.matmul(w.hseq[i_in], w_rec_t, out=gh)
         c_prev, c_next = (None, None) if w.cseq is None else (w.cseq[i_in], w.cseq[i_out])
-        args = [gi[t], gh, None, rt.ptr(w.b_ih), rt.ptr(w.b_hh), w.hseq[i_in], rt.ptr(c_prev), w.hseq[i_out],
-                rt.ptr(c_next), w.gates[s], rt.ptr(w.rh[s] if original else None), y[t], rt.ptr(lengths),
+        # With a projection the kernel's state and output are the unprojected o ⊙ tanh(c) (scratch),
+        # projected and masked by _project_step.
+        h_in, h_out, y_t, y_col = (work["hf"], work["hf"], work["ysc"], 0) if proj else \
+            (w.hseq[i_in], w.hseq[i_out], y[t], d * hs)
+        args = [gi[t], gh, None, rt.ptr(w.b_ih), rt.ptr(w.b_hh), h_in, rt.ptr(c_prev), h_out,
+                rt.ptr(c_next), w.gates[s], rt.ptr(w.rh[s] if original else None), y_t, rt.ptr(lengths),
                 rt.i64(t), rt.i64(n), rt.i64(hs), rt.i64(gi.shape[2]), rt.i64(d * gw), rt.i64(gh.shape[1]),
-                rt.i64(y.shape[2]), rt.i64(d * hs), rt.i32(_KINDS[kind]), None, rt.i32(code), rt.f64(slope)]
+                rt.i64(y_t.shape[-1]), rt.i64(y_col), rt.i32(_KINDS[kind]), None, rt.i32(code), rt.f64(slope)]
         stages = (1, 2) if original else (0,)
         for stage in stages:
             if stage == 2:
@@ -254,7 +275,23 @@ def _seq_forward_direction(call, xp, gi, d, w, y, h_init, c_init, lengths, work)
             args[2] = rt.ptr(ghn if stage == 2 else None)
             args[-3] = rt.i32(stage)
             rt.launch(FAMILY, name, _grid(n * hs), (BLOCK,), args)
+        if proj:
+            _project_step(xp, work, w, w.hseq[i_in], w.hseq[i_out], y[t], d * w.out, lengths, t)
     return w.hseq[last], (None if w.cseq is None else w.cseq[last])
+
+
+def _project_step(xp, work, w, h_in, h_out, y_t, col, lengths, t):
+    """An LSTM projection's step: h = h_full·w_hrᵀ (cuBLAS), kept only for sequences still running."""
+    hq = work["hq"]
+    xp.matmul(work["hf"], w.w_hr.T, out=hq)
+    cols = slice(col, col + w.out)
+    if lengths is None:
+        h_out[...] = hq
+        y_t[:, cols] = hq
+    else:
+        active = (lengths > t)[:, None]
+        h_out[...] = xp.where(active, hq, h_in)
+        y_t[:, cols] = xp.where(active, hq, xp.zeros((), hq.dtype))
 
 
 def sequence_forward(call: Any) -> tuple[tuple[Any, ...], Any]:
@@ -268,12 +305,16 @@ def sequence_forward(call: Any) -> tuple[tuple[Any, ...], Any]:
     steps, n = int(X.shape[0]), int(X.shape[1])
     lengths = None if call.lengths is None else xp.asarray(call.lengths, dtype=xp.int64)
     h0, c0 = call.arrays.get("h0"), call.arrays.get("c0")
-    h_n = xp.empty((layers * dirs, n, hs), dtype)
+    proj = int(call.params.get("proj_size") or 0)
+    out = proj or hs
+    h_n = xp.empty((layers * dirs, n, out), dtype)
     c_n = xp.empty((layers * dirs, n, hs), dtype) if kind == "lstm" else None
     gw = _GATES[kind] * hs
     work = {"gh": xp.empty((n, 2 * hs if original else gw), dtype)}
     if original:
         work["ghn"] = xp.empty((n, hs), dtype)
+    if proj:
+        work.update(hf=xp.empty((n, hs), dtype), ysc=xp.empty((n, hs), dtype), hq=xp.empty((n, proj), dtype))
     inputs, stacks, directions = [], [], []
     inp = X
     for layer in range(layers):
@@ -282,7 +323,7 @@ def sequence_forward(call: Any) -> tuple[tuple[Any, ...], Any]:
         w_stack = _stacked(xp, [w.w_ih for w in ws])
         features = int(inp.shape[2])
         gi = xp.matmul(inp.reshape(steps * n, features), w_stack.T).reshape(steps, n, dirs * gw)
-        y = xp.empty((steps, n, dirs * hs), dtype)
+        y = xp.empty((steps, n, dirs * out), dtype)
         for d, w in enumerate(ws):
             k = layer * dirs + d
             h_last, c_last = _seq_forward_direction(
@@ -303,15 +344,18 @@ def sequence_forward(call: Any) -> tuple[tuple[Any, ...], Any]:
 def _seq_backward_direction(call, xp, w, dgi, d, dy, dh_n, dc_n, lengths, want_state, want_w):
     """Backward through time of direction ``d``; fills its columns of ``dgi`` ``(T, N, D·G·H)``.
 
-    Returns (dh0, dc0, dw_hh, db_hh): the entering states' gradients (when ``want_state``) and the
-    hidden-side weight gradients (when ``want_w``), ``None`` otherwise.
+    Returns (dh0, dc0, dw_hh, db_hh, dw_hr): the entering states' gradients (when ``want_state``)
+    and the hidden-side weight gradients (when ``want_w``; dw_hr with a projection), ``None``
+    otherwise.  With a projection each step's dh (P columns, dY's included, zero past a
+    sequence's end) is kept for dw_hr and enters the kernel as dh·w_hr.
     """
     kind, hs = call.kind, int(call.hidden_size)
     steps, n = int(dgi.shape[0]), int(dgi.shape[1])
     dtype = dgi.dtype
     original = kind == "gru" and not call.reset_after
     gw = _GATES[kind] * hs
-    dh_dir = xp.zeros((n, hs), dtype) if dh_n is None else xp.array(dh_n, dtype=dtype, order="C")
+    proj, out = w.w_hr is not None, w.out
+    dh_dir = xp.zeros((n, out), dtype) if dh_n is None else xp.array(dh_n, dtype=dtype, order="C")
     dc = None
     if kind == "lstm":
         dc = xp.zeros((n, hs), dtype) if dc_n is None else xp.array(dc_n, dtype=dtype, order="C")
@@ -322,7 +366,9 @@ def _seq_backward_direction(call, xp, w, dgi, d, dy, dh_n, dc_n, lengths, want_s
     dgh = xp.empty((steps, n, 2 * hs if original else gw), dtype) if separate else None
     dghn = xp.empty((steps, n, hs), dtype) if original else None
     drh = xp.empty((n, hs), dtype) if original else None
-    dh_gemm = xp.empty((n, hs), dtype)
+    dh_gemm = xp.empty((n, out), dtype)
+    dh_full = xp.empty((n, hs), dtype) if proj else None
+    dproj = xp.empty((steps, n, out), dtype) if proj else None
     w_rec = w.w_hh[: 2 * hs] if original else w.w_hh
     w_hn = w.w_hh[2 * hs:] if original else None
     code, slope = _act(call)
@@ -332,9 +378,14 @@ def _seq_backward_direction(call, xp, w, dgi, d, dy, dh_n, dc_n, lengths, want_s
         t = k if w.reverse else steps - 1 - k
         i_in, i_out = w.slots(t, 0, True)
         dgh_t = dgh[t] if separate else dgi[t]
+        step_dy, step_gemm, step_dh = (None if dy is None else dy[t]), (dh_gemm if gemm_done else None), dh_dir
+        if proj:
+            passed = _unproject_step(xp, w, dh_dir, dh_gemm if gemm_done else None, dy, t, d * out, lengths,
+                                     dproj, dh_full)
+            step_dy, step_gemm, step_dh = None, None, dh_full
         args = [w.gates[t], w.hseq[i_in], rt.ptr(None if dc is None else w.cseq[i_in]),
-                rt.ptr(None if dc is None else w.cseq[i_out]), rt.ptr(None if dy is None else dy[t]),
-                rt.ptr(dh_gemm if gemm_done else None), dh_dir, rt.ptr(dc), None, dgi[t],
+                rt.ptr(None if dc is None else w.cseq[i_out]), rt.ptr(step_dy),
+                rt.ptr(step_gemm), step_dh, rt.ptr(dc), None, dgi[t],
                 rt.ptr(dgh_t if separate else None), rt.ptr(dghn[t] if original else None), rt.ptr(lengths),
                 rt.i64(t), rt.i64(n), rt.i64(hs), rt.i64(dgi.shape[2]), rt.i64(d * gw), rt.i64(dgh_t.shape[1]),
                 rt.i64(0 if dy is None else dy.shape[2]), rt.i64(d * hs), rt.i32(_KINDS[kind]), None,
@@ -345,15 +396,17 @@ def _seq_backward_direction(call, xp, w, dgi, d, dy, dh_n, dc_n, lengths, want_s
             args[8] = rt.ptr(drh if stage == 2 else None)
             args[-3] = rt.i32(stage)
             rt.launch(FAMILY, name, _grid(n * hs), (BLOCK,), args)
+        if proj:  # what the step passes on besides dh_gemm: dh of a sequence that had ended, else 0
+            dh_dir[...] = passed
         if want_state or k < steps - 1:  # the last step's product only feeds dh0
             xp.matmul(dgh_t, w_rec, out=dh_gemm)
             gemm_done = True
     dh0 = (dh_dir + dh_gemm if gemm_done else dh_dir) if want_state else None
     dc0 = dc if want_state else None
-    dw_hh = db_hh = None
+    dw_hh = db_hh = dw_hr = None
     if want_w:
         m = steps * n
-        h_prev = w.h_prev(steps).reshape(m, hs)
+        h_prev = w.h_prev(steps).reshape(m, out)
         hidden = (dgh if separate else dgi).reshape(m, int((dgh if separate else dgi).shape[2]))
         if original:
             rh = w.rh.reshape(m, hs)
@@ -363,7 +416,25 @@ def _seq_backward_direction(call, xp, w, dgi, d, dy, dh_n, dc_n, lengths, want_s
         else:
             dw_hh = xp.matmul(hidden.T, h_prev)
             db_hh = hidden.sum(axis=0)
-    return dh0, dc0, dw_hh, db_hh
+        if proj:  # Σ_t dh_tᵀ·(o ⊙ tanh(c_t)), the unprojected states rebuilt from the saved gates
+            unprojected = w.gates[..., 3 * hs:] * xp.tanh(w.c_next(steps))
+            dw_hr = xp.matmul(dproj.reshape(m, out).T, unprojected.reshape(m, hs))
+    return dh0, dc0, dw_hh, db_hh, dw_hr
+
+
+def _unproject_step(xp, w, dh_dir, dh_gemm, dy, t, col, lengths, dproj, dh_full):
+    """A projected step's dh = dh_dir + dh_gemm + dY[t] (P columns) into ``dproj[t]`` (zero past a
+    sequence's end), and dh·w_hr into ``dh_full`` for the kernel; returns what passes through
+    (the ended sequences' dh_dir + dh_gemm, else 0)."""
+    g = dh_dir + dh_gemm if dh_gemm is not None else dh_dir.copy()
+    zero = xp.zeros((), g.dtype)
+    # A sequence that has ended passes its dh on untouched (its output there is a constant 0: no dY).
+    passed = zero if lengths is None else xp.where((lengths > t)[:, None], zero, g)
+    if dy is not None:
+        g += dy[t][:, col:col + w.out]
+    dproj[t] = g if lengths is None else xp.where((lengths > t)[:, None], g, zero)
+    xp.matmul(dproj[t], w.w_hr, out=dh_full)
+    return passed
 
 
 def _deliver(buffer: Any, value: Any) -> Any:
@@ -396,16 +467,17 @@ def sequence_backward(residuals: Any, cotangents: Any, needs: Any, out: Any = No
     d_cn = cotangent(2) if kind == "lstm" else None
     want_x, want_p = "x" in needs, "params" in needs
     want_state = bool(needs & {"h0", "c0"})
-    dh0 = xp.empty((layers * dirs, n, hs), dtype) if want_state else None
+    proj = int(call.params.get("proj_size") or 0)
+    dh0 = xp.empty((layers * dirs, n, proj or hs), dtype) if want_state else None
     dc0 = xp.empty((layers * dirs, n, hs), dtype) if want_state and kind == "lstm" else None
-    pgrads: list[list[Any]] = [[None] * 4 for _ in range(layers * dirs)]
+    pgrads: list[list[Any]] = [[None] * 5 for _ in range(layers * dirs)]
     for layer in range(layers - 1, -1, -1):
         X = inputs[layer]
         features = int(X.shape[2])
         dgi = xp.empty((steps, n, dirs * gw), dtype)
         for d, w in enumerate(directions[layer]):
             k = layer * dirs + d
-            dh, dc, dw_hh, db_hh = _seq_backward_direction(
+            dh, dc, dw_hh, db_hh, pgrads[k][4] = _seq_backward_direction(
                 call, xp, w, dgi, d, dY, None if d_hn is None else d_hn[k],
                 None if d_cn is None else d_cn[k], lengths, want_state, want_p)
             if want_state:

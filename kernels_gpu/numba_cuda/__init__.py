@@ -17,7 +17,7 @@ import importlib.util
 
 from portable_nn.backends import Backend
 from portable_nn.dispatch import Support, register_builtin
-from portable_nn.kernel_checks import int32_pool_positions, int64_ignore_index, no_lstm_projections
+from portable_nn.kernel_checks import int32_pool_positions, int64_ignore_index
 from portable_nn.kernel_notes import options
 
 #: What every Numba-CUDA kernel takes: CuPy arrays (and CUDA torch tensors, as zero-copy CuPy
@@ -183,8 +183,8 @@ for _op, _kind in (("rnn_cell", "cell"), ("lstm_cell", "cell"), ("gru_cell", "ce
         supports=Support(
             dtypes=("float32", "float64"),
             mixed_precision=False,
-            check=no_lstm_projections if _op == "lstm" else None,
-            description=f"{options(_op, but=('projections',))}; one GEMM + one fused kernel per step",
+            description=f"{options(_op)}; one GEMM + one fused kernel per step (+ one GEMM with an LSTM "
+                        "projection)",
             **GPU_SUPPORT,
         ),
         priority=NUMBA_CUDA_PRIORITY,

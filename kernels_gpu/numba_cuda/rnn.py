@@ -50,6 +50,11 @@ Supported: every argument of ``rnn_cell``/``lstm_cell``/``gru_cell`` and ``rnn``
 and initial states, zero sizes), float32 and float64 (computed in the data's type; bias sums
 accumulate in float64).  Everything array-library specific goes through ``_runtime``: the same
 launchers run on CuPy arrays on a GPU and on NumPy arrays in Numba's CUDA simulator.
+
+An LSTM projection (``w_hr``, PyTorch's ``proj_size``): the step kernels run on the unprojected
+state o ⊙ tanh(c) (``hfseq``, the cell's slots), one GEMM per step projects it into ``hseq`` (kept
+only for sequences still running) and Y; the backward hands the kernel dh·w_hr and keeps each
+step's dh for dw_hr = Σ dhᵀ·(o ⊙ tanh c).
 """
 
 from __future__ import annotations
@@ -392,9 +397,10 @@ def _matmul(xp, a, b, out):
 class _Weights:
     """One layer direction's weights as the kernels take them (see the module docstring)."""
 
-    def __init__(self, xp, code, w_ih, w_hh, b_ih, b_hh):
-        gw, hs = (int(d) for d in w_hh.shape)
-        self.w_ih, self.w_hh = w_ih, w_hh
+    def __init__(self, xp, code, w_ih, w_hh, b_ih, b_hh, w_hr=None):
+        gw = int(w_hh.shape[0])
+        hs = gw // GATES[code]  # w_hh has P < H columns with an LSTM projection
+        self.w_ih, self.w_hh, self.w_hr = w_ih, w_hh, w_hr
         self.has_bias = (b_ih is not None, b_hh is not None)
         self.b_i = xp.zeros(gw, w_hh.dtype)
         self.b_n = xp.zeros(hs, w_hh.dtype)
@@ -420,14 +426,17 @@ class _Direction:
 
     def __init__(self, xp, code, x, w: _Weights, lengths, reverse, save, h0, c0):
         steps, n, _ = (int(d) for d in x.shape)
-        hs = int(w.w_hh.shape[1])
+        hs = int(w.w_hh.shape[0]) // GATES[code]
+        out = int(w.w_hr.shape[0]) if w.w_hr is not None else hs  # h's size: P with a projection
         dtype = x.dtype
         self.xp, self.code, self.x, self.w, self.lengths = xp, code, x, w, lengths
-        self.reverse, self.steps, self.n, self.hs = reverse, steps, n, hs
+        self.reverse, self.steps, self.n, self.hs, self.out = reverse, steps, n, hs, out
         slots = steps + 1 if save else 2
         rows = steps if save else 1
         width = GATES[code] * hs
-        self.hseq = xp.empty((slots, n, hs), dtype)
+        self.hseq = xp.empty((slots, n, out), dtype)
+        # With a projection the kernels' state is the unprojected o ⊙ tanh(c), in its own slots.
+        self.hfseq = xp.zeros((slots, n, hs), dtype) if w.w_hr is not None else self.hseq
         self.cseq = xp.empty((slots, n, hs), dtype) if code == LSTM else xp.empty(1, dtype)
         self.gates = xp.empty((rows, n, width), dtype)
         self.extra = xp.empty((rows, n, hs), dtype) if code in (GRU, GRU_ORIGINAL) else xp.empty(1, dtype)
@@ -458,10 +467,12 @@ class _Direction:
         _matmul(xp, x.reshape(steps * n, int(x.shape[2])), w.w_ih.T, gi.reshape(steps * n, width))
         gh_a = xp.empty((n, int(w.w_a.shape[0])), x.dtype)
         gh_b = xp.empty((n, hs), x.dtype) if code == GRU_ORIGINAL else xp.empty(1, x.dtype)
-        y_flat, y_width = (xp.empty(1, x.dtype), 0) if y is None else (y.reshape(-1), int(y.shape[2]))
+        proj = w.w_hr is not None
+        y_flat, y_width = (xp.empty(1, x.dtype), 0) if y is None or proj else (y.reshape(-1), int(y.shape[2]))
         s_cfg = rt.settings()
         grid = rt.blocks_for(n * hs, s_cfg.block)
-        flat = [a.reshape(-1) for a in (gi, gh_a, gh_b, w.b_i, w.b_n, self.hseq, self.cseq, self.gates, self.extra)]
+        flat = [a.reshape(-1) for a in (gi, gh_a, gh_b, w.b_i, w.b_n, self.hfseq, self.cseq, self.gates, self.extra)]
+        hq = xp.empty((n, self.out), x.dtype) if proj else None
         for k in range(steps):
             t, slot_in, slot_out = self.slots(k)
             s = t if self.save else 0
@@ -473,6 +484,17 @@ class _Direction:
                 rt.launch(_forward_step, grid, s_cfg.block, code, 2, *flat, y_flat, self.lengths, *dims)
             else:
                 rt.launch(_forward_step, grid, s_cfg.block, code, 0, *flat, y_flat, self.lengths, *dims)
+            if proj:
+                self._project(hq, t, slot_in, slot_out, y, col)
+
+    def _project(self, hq, t, slot_in, slot_out, y, col):
+        """An LSTM projection's step: h = h_full·w_hrᵀ, kept only for sequences still running; Y[t]."""
+        xp = self.xp
+        _matmul(xp, self.hfseq[slot_out], self.w.w_hr.T, hq)
+        active = (self.lengths > t)[:, None]
+        self.hseq[slot_out] = xp.where(active, hq, self.hseq[slot_in])
+        if y is not None:
+            y[t][:, col:col + self.out] = xp.where(active, hq, xp.zeros((), hq.dtype))
 
     def final_h(self):
         return self.hseq[self.final_slot()]
@@ -497,26 +519,34 @@ class _Direction:
             db = xp.empty((steps, n, hs), dtype)
         else:
             db = xp.empty(1, dtype)
-        dirh = xp.array(dh, dtype=dtype, copy=True).reshape(n, hs)
+        proj, out = w.w_hr is not None, self.out
+        dirh = xp.array(dh, dtype=dtype, copy=True).reshape(n, out)
         dcs = xp.array(dc, dtype=dtype, copy=True).reshape(n, hs) if code == LSTM else xp.empty(1, dtype)
-        q = xp.empty((n, hs), dtype)
+        q = xp.empty((n, out), dtype)
+        dh_full = xp.empty((n, hs), dtype) if proj else dirh
+        self.dproj = xp.empty((steps, n, out), dtype) if proj else None
         drh = xp.empty((n, hs), dtype) if code == GRU_ORIGINAL else xp.empty(1, dtype)
-        dy_flat, y_width = (xp.empty(1, dtype), 0) if dy is None else (dy.reshape(-1), int(dy.shape[2]))
+        dy_flat, y_width = (xp.empty(1, dtype), 0) if dy is None or proj else (dy.reshape(-1), int(dy.shape[2]))
         hidden = db if code == GRU else da  # the recurrent GEMM's left operand
         s_cfg = rt.settings()
         grid = rt.blocks_for(n * hs, s_cfg.block)
         has_q = False
         for idx, k in enumerate(range(steps - 1, -1, -1)):
             t, slot_in, slot_out = self.slots(k)
-            args = (self.gates.reshape(-1), self.extra.reshape(-1), self.hseq.reshape(-1), self.cseq.reshape(-1),
-                    q.reshape(-1), drh.reshape(-1), dirh.reshape(-1), dcs.reshape(-1), dy_flat, da.reshape(-1),
+            if proj:
+                passed = self._unproject(dirh, q if has_q else None, dy, t, col, dh_full)
+            args = (self.gates.reshape(-1), self.extra.reshape(-1), self.hfseq.reshape(-1), self.cseq.reshape(-1),
+                    q.reshape(-1), drh.reshape(-1), dh_full.reshape(-1), dcs.reshape(-1), dy_flat, da.reshape(-1),
                     db.reshape(-1), self.lengths, t, slot_in, slot_out, n, hs, y_width, col)
+            step_q = has_q and not proj  # with a projection, dh (q included) entered through dh_full
             if code == GRU_ORIGINAL:
                 rt.launch(_backward_step, grid, s_cfg.block, code, 1, has_q, *args)
                 _matmul(xp, db[t], w.w_b, drh)
                 rt.launch(_backward_step, grid, s_cfg.block, code, 2, has_q, *args)
             else:
-                rt.launch(_backward_step, grid, s_cfg.block, code, 0, has_q, *args)
+                rt.launch(_backward_step, grid, s_cfg.block, code, 0, step_q, *args)
+            if proj:  # what passes on besides q: the dh of a sequence that had ended, else 0
+                dirh[...] = passed
             if idx < steps - 1 or want_state:
                 _matmul(xp, hidden[t], w.w_a, q)
                 has_q = True
@@ -526,10 +556,31 @@ class _Direction:
             dc0 = dcs if code == LSTM else None
         return da, db, dh0, dc0
 
+    def _unproject(self, dirh, q, dy, t, col, dh_full):
+        """A projected step's dh = D + Q + dY[t] (P columns) into ``dproj[t]`` (zero past a sequence's
+        end) and dh·w_hr into ``dh_full`` for the kernel; returns what passes through (an ended
+        sequence's D + Q, else 0)."""
+        xp = self.xp
+        g = dirh + q if q is not None else dirh.copy()
+        zero = xp.zeros((), g.dtype)
+        active = (self.lengths > t)[:, None]
+        passed = xp.where(active, zero, g)
+        if dy is not None:
+            g += dy[t][:, col:col + self.out]
+        self.dproj[t] = xp.where(active, g, zero)
+        _matmul(xp, self.dproj[t], self.w.w_hr, dh_full)
+        return passed
+
     def hprev(self):
-        """(T·N, H): the state entering each step, rows ordered like X's."""
+        """(T·N, out): the state entering each step, rows ordered like X's."""
         part = self.hseq[1:] if self.reverse else self.hseq[: self.steps]
-        return part.reshape(self.steps * self.n, self.hs)
+        return part.reshape(self.steps * self.n, self.out)
+
+    def projection_grad(self):
+        """dw_hr = Σ_t dh_tᵀ·h_full_t over all T·N rows (the unprojected states the forward kept)."""
+        part = self.hfseq[: self.steps] if self.reverse else self.hfseq[1:]
+        m = self.steps * self.n
+        return self.xp.matmul(self.dproj.reshape(m, self.out).T, part.reshape(m, self.hs))
 
     def weight_grads(self, da, db, want_w, want_b):
         """(dw_ih, dw_hh, db_ih, db_hh): single GEMMs over all T·N rows, bias sums by column reduction."""
@@ -652,18 +703,19 @@ def sequence_forward(call):
     steps, n = int(X.shape[0]), int(X.shape[1])
     lengths = xp.asarray(np.full(n, steps, np.int64) if call.lengths is None else np.asarray(call.lengths, np.int64))
     h0, c0 = call.arrays.get("h0"), call.arrays.get("c0")
-    h_n = xp.empty((layers * dirs, n, hs), dtype)
+    out = int(call.params.get("proj_size") or 0) or hs
+    h_n = xp.empty((layers * dirs, n, out), dtype)
     c_n = xp.empty((layers * dirs, n, hs), dtype) if code == LSTM else None
     directions = []
     inp = X
     for layer in range(layers):
-        y = xp.empty((steps, n, dirs * hs), dtype)
+        y = xp.empty((steps, n, dirs * out), dtype)
         for r in range(dirs):
             k = layer * dirs + r
             w = _Weights(xp, code, *(call.arrays[name] for name in call.param_names[k]))
             d = _Direction(xp, code, inp, w, lengths, r == 1, call.save, None if h0 is None else h0[k],
                            None if c0 is None else c0[k])
-            d.run(y, r * hs)
+            d.run(y, r * out)
             h_n[k] = d.final_h()
             if code == LSTM:
                 c_n[k] = d.final_c()
@@ -687,20 +739,22 @@ def sequence_backward(residuals, cotangents, needs, out=None):
     want_x, want_p = "x" in needs, "params" in needs
     want_state = bool(needs & {"h0", "c0"})
     dh0 = xp.empty(dh_n.shape, dtype) if want_state else None
-    dc0 = xp.empty(dh_n.shape, dtype) if want_state and code == LSTM else None
+    dc0 = xp.empty(dc_n.shape, dtype) if want_state and code == LSTM else None
     pgrads = [None] * (layers * dirs)
     for layer in range(layers - 1, -1, -1):
         dX = xp.empty(directions[layer * dirs].x.shape, dtype) if layer > 0 or want_x else None
         for r in range(dirs):
             k = layer * dirs + r
             d = directions[k]
-            da, db, g_h, g_c = d.backward(dY, r * d.hs, dh_n[k], None if dc_n is None else dc_n[k], want_state)
+            da, db, g_h, g_c = d.backward(dY, r * d.out, dh_n[k], None if dc_n is None else dc_n[k], want_state)
             if want_state:
                 dh0[k] = g_h
                 if code == LSTM:
                     dc0[k] = g_c
             if want_p:
                 pgrads[k] = d.weight_grads(da, db, True, True)
+                if d.w.w_hr is not None:
+                    pgrads[k] = (*pgrads[k], d.projection_grad())
             if dX is not None:
                 d.input_grad(da, db, dX, r == 1)
         dY = dX
@@ -708,7 +762,7 @@ def sequence_backward(residuals, cotangents, needs, out=None):
     if want_x:
         grads["x"] = rt.into(out, "x", xp.ascontiguousarray(xp.swapaxes(dY, 0, 1)) if call.batch_first else dY)
     if want_p:
-        buffers = out.get("params") or [(None,) * 4] * (layers * dirs)
+        buffers = out.get("params") or [(None,) * 5] * (layers * dirs)
         grads["params"] = [tuple(_deliver(b, g) for b, g in zip(buffers[k], pgrads[k])) for k in range(layers * dirs)]
     if "h0" in needs:
         grads["h0"] = rt.into(out, "h0", dh0)

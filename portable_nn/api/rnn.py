@@ -675,8 +675,7 @@ def lstm(
         CuPy's ``RawModule``; ``numba_cuda``) for CuPy arrays and CUDA torch tensors,
         where ``pnn.capabilities()`` lists them; ``aten`` (torch tensors only, CPU or CUDA:
         PyTorch's fused layer, what ``torch.nn.LSTM`` runs; first under ``auto`` for torch
-        tensors, where it measured faster than ``numba``).  Projections run on ``reference``,
-        ``numba`` and ``aten``; the GPU kernels decline them (``explain`` says so).
+        tensors, where it measured faster than ``numba``).  Every backend runs projections.
         ``pnn.explain`` reports which one a call runs and why the others were passed over.
     """
     return _prepare_sequence("lstm", 4, x, params, h0, c0, batch_first=batch_first,

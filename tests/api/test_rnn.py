@@ -21,7 +21,6 @@ from pnn_testing import (
 )
 from portable_nn import dispatch
 from portable_nn.api.rnn import gru, gru_cell, lstm, lstm_cell, rnn, rnn_cell
-from portable_nn.errors import BackendUnavailableError
 
 torch = pytest.importorskip("torch")
 
@@ -379,20 +378,12 @@ PROJ_GRID = grid(
 @pytest.mark.parametrize("case", [p.values[0] for p in cases("lstm")], ids=lambda c: c.id)
 @pytest.mark.parametrize("cfg", PROJ_GRID)
 def test_lstm_projections_match_torch(case: Case, cfg: dict) -> None:
-    """5-tuple params (torch.nn.LSTM's proj_size): every backend that takes them matches PyTorch;
-    the others, forced, refuse them by name."""
+    """5-tuple params (torch.nn.LSTM's proj_size) on every backend, against PyTorch."""
     cfg = {**cfg, "steps": 4, "batch": 3, "hidden": 5, "proj": 2, "features": 3}
     a = _seq_call("lstm", case, cfg)
     leaves = [a["x"], a["h0"], a["c0"], *(p for e in a["params"] for p in e)]
     before = snapshot(leaves)
-    impl = next(i for i in dispatch.implementations("lstm") if i.backend == case.backend)
     with case.use():
-        call = pnn.explain(lstm, a["x"], a["params"], batch_first=cfg["batch_first"],
-                           bidirectional=cfg["bidirectional"]).call
-        if impl.supports.check is not None and impl.supports.check(call):
-            with pytest.raises(BackendUnavailableError, match="runs no LSTM projections"):
-                _run_seq("lstm", a, cfg)
-            return
         outs, grads, _ = _run_seq("lstm", a, cfg)
     assert unchanged(leaves, before)
     _check_seq_against_torch("lstm", a, cfg, outs, grads, case.tol)

@@ -554,8 +554,8 @@ class LSTM(_Recurrent):
             ``torch.nn.functional.dropout``.
         bidirectional: whether each layer also runs backwards in time.
         proj_size: if > 0 (and < hidden_size), each step's hidden state is projected to
-            this size (``h_t = (o ⊙ tanh(c_t))·W_hrᵀ``), as in ``torch.nn.LSTM``; the
-            projections run on the reference, ``numba`` and ``aten`` backends.
+            this size (``h_t = (o ⊙ tanh(c_t))·W_hrᵀ``), as in ``torch.nn.LSTM``; every
+            backend runs the projections.
         device: where the parameters are created.
         dtype: their dtype.
 

@@ -43,15 +43,17 @@ GATES = {"rnn": 1, "lstm": 4, "gru": 3}
 DTYPES = ("float32", "float64")
 
 
-def _params(r, op, layers, dirs, inp, hs, bias=(True, True)):
+def _params(r, op, layers, dirs, inp, hs, bias=(True, True), proj=0):
     g = GATES[op]
+    out = proj or hs
     params = []
     for layer in range(layers):
-        features = inp if layer == 0 else dirs * hs
+        features = inp if layer == 0 else dirs * out
         for _ in range(dirs):
-            params.append((r.standard_normal((g * hs, features)) * 0.6, r.standard_normal((g * hs, hs)) * 0.6,
-                           r.standard_normal(g * hs) * 0.5 if bias[0] else None,
-                           r.standard_normal(g * hs) * 0.5 if bias[1] else None))
+            entry = (r.standard_normal((g * hs, features)) * 0.6, r.standard_normal((g * hs, out)) * 0.6,
+                     r.standard_normal(g * hs) * 0.5 if bias[0] else None,
+                     r.standard_normal(g * hs) * 0.5 if bias[1] else None)
+            params.append((*entry, r.standard_normal((proj, hs)) * 0.6) if proj else entry)
     return params
 
 
@@ -63,8 +65,8 @@ def sequence_specs():
     def x(batch_first=False):
         return r.standard_normal((n, t, i) if batch_first else (t, n, i))
 
-    def state(layers, dirs):
-        return r.standard_normal((layers * dirs, n, h))
+    def state(layers, dirs, size=h):
+        return r.standard_normal((layers * dirs, n, size))
 
     return [
         ("rnn-tanh-h0", "rnn", (x(), _params(r, "rnn", 1, 1, i, h), state(1, 1)), {}),
@@ -77,6 +79,12 @@ def sequence_specs():
          {"bidirectional": True, "lengths": [3, 4, 1]}),
         ("lstm-batch-first-nostate-bhh-only", "lstm", (x(True), _params(r, "lstm", 2, 1, i, h, (False, True))),
          {"batch_first": True}),
+        ("lstm-proj-2layer-bidir-lengths", "lstm",
+         (x(), _params(r, "lstm", 2, 2, i, h, proj=2), state(2, 2, 2), state(2, 2)),
+         {"bidirectional": True, "lengths": [3, 4, 1]}),
+        ("lstm-proj-batch-first-nostate-nobias", "lstm", (x(True), _params(r, "lstm", 1, 1, i, h, (False, False), 3)),
+         {"batch_first": True, "lengths": [2, 4, 3]}),
+        ("lstm-proj-h0-c0", "lstm", (x(), _params(r, "lstm", 1, 1, i, h, proj=1), state(1, 1, 1), state(1, 1)), {}),
         ("gru-bidir-lengths-batch-first", "gru", (x(True), _params(r, "gru", 1, 2, i, h), state(1, 2)),
          {"batch_first": True, "bidirectional": True, "lengths": [1, 4, 2]}),
         ("gru-2layer", "gru", (x(), _params(r, "gru", 2, 1, i, h)), {}),

@@ -77,21 +77,25 @@ def cell_args(op, n, features, hs, dtype, biases=(True, True), unbatched=False, 
 
 
 def sequence_args(op, steps, n, features, hs, layers, dirs, dtype, biases=(True, True), states=True, seed=0,
-                  batch_first=False):
-    """(x, params, states...) of a sequence call."""
+                  batch_first=False, proj=0):
+    """(x, params, states...) of a sequence call (``proj``: LSTM projections of that size)."""
     r = _rng(seed)
     g = _gates(op)
+    out = proj or hs
     x = r.standard_normal((n, steps, features) if batch_first else (steps, n, features)).astype(dtype)
     params = []
     for layer in range(layers):
-        f = features if layer == 0 else dirs * hs
+        f = features if layer == 0 else dirs * out
         for _ in range(dirs):
-            params.append(tuple(None if a is None else a.astype(dtype) for a in (
-                0.6 * r.standard_normal((g * hs, f)), 0.6 * r.standard_normal((g * hs, hs)),
-                0.3 * r.standard_normal(g * hs) if biases[0] else None,
-                0.3 * r.standard_normal(g * hs) if biases[1] else None)))
+            entry = (0.6 * r.standard_normal((g * hs, f)), 0.6 * r.standard_normal((g * hs, out)),
+                     0.3 * r.standard_normal(g * hs) if biases[0] else None,
+                     0.3 * r.standard_normal(g * hs) if biases[1] else None)
+            if proj:
+                entry = (*entry, 0.6 * r.standard_normal((proj, hs)))
+            params.append(tuple(None if a is None else a.astype(dtype) for a in entry))
     count = 2 if op == "lstm" else 1
-    st = [(0.5 * r.standard_normal((layers * dirs, n, hs))).astype(dtype) if states else None for _ in range(count)]
+    st = [(0.5 * r.standard_normal((layers * dirs, n, out if k == 0 else hs))).astype(dtype) if states else None
+          for k in range(count)]
     return [x, params, *st]
 
 
@@ -215,6 +219,16 @@ case("gru/reset_before-batch_first-no-biases/float32")(
 case("lstm/wrt-params-out-buffers/float64")(
     lambda: vjp_check("lstm", sequence_args("lstm", 3, 2, 3, 2, 2, 2, "float64"), {"bidirectional": True},
                       "float64", wrt=("params",), use_out=True))
+case("lstm/projections-stacked-bidir-lengths/float64")(
+    lambda: vjp_check("lstm", sequence_args("lstm", 4, 3, 3, 4, 2, 2, "float64", proj=2),
+                      {"bidirectional": True, "lengths": [4, 2, 1]}, "float64"))
+case("lstm/projections-batch_first-no-biases-no-state/float32")(
+    lambda: vjp_check("lstm", sequence_args("lstm", 3, 2, 3, 4, 1, 1, "float32", (False, False), False,
+                                            batch_first=True, proj=3), {"batch_first": True, "lengths": [2, 3]},
+                      "float32"))
+case("lstm/projections-out-buffers/float64")(
+    lambda: vjp_check("lstm", sequence_args("lstm", 3, 2, 3, 3, 1, 2, "float64", proj=1), {"bidirectional": True},
+                      "float64", use_out=True))
 case("gru/wrt-x-h0-only/float64")(
     lambda: vjp_check("gru", sequence_args("gru", 3, 2, 3, 2, 2, 1, "float64"), {"lengths": [1, 3]}, "float64",
                       wrt=("x", "h0")))
