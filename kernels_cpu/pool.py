@@ -101,11 +101,14 @@ def _u(i):
     return np.uint64(i)
 
 
-@njit(inline="always", **_OPTS)
+@njit(**_OPTS)
 def _max_exact(xp, K, k, first, nd, nh, nw, steps):
     """The reference rule on one window: take when v > best or v is NaN, from −∞.
 
     Only windows that hold a NaN come here (the last NaN wins, as in PyTorch's CPU kernels).
+    Called, not inlined: inlined into its four callers it made max_pool's first compilation
+    41.8 s instead of 29.3 s, for a path no NaN-free window takes (forward speed the same within
+    3%, A/B in one process).
     """
     best = -np.inf
     bi = first
