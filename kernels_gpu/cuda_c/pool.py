@@ -93,19 +93,24 @@ def pool_forward(call: Any) -> tuple[tuple[Any], Any]:
     return (y,), residuals
 
 
+def _gradient_buffers(dy: Any, out: dict[str, Any], shape: tuple[int, ...], dtype: Any) -> tuple[Any, Any]:
+    """(dy C-contiguous in x's dtype, dx: the caller's ``out["x"]`` when the kernel can write into it)."""
+    xp = rt.array_module(dy)
+    dy = xp.ascontiguousarray(dy)
+    if dy.dtype != dtype:
+        dy = dy.astype(dtype)
+    given = out.get("x")
+    usable = given is not None and given.dtype == dtype and given.flags.c_contiguous
+    return dy, (given if usable else xp.empty(shape, dtype))
+
+
 def pool_backward(residuals: Any, cotangents: Any, needs: Any, out: Any = None) -> dict[str, Any]:
     """dx of max_pool (to each window's recorded maximum) and avg_pool (dy / divisor over each window)."""
     if "x" not in needs:
         return {}
     call, shape, dtype, arg, divs = residuals
     out = out or {}
-    dy = cotangents[0]
-    xp = rt.array_module(dy)
-    dy = xp.ascontiguousarray(dy)
-    if dy.dtype != dtype:
-        dy = dy.astype(dtype)
-    given = out.get("x")
-    dx = given if (given is not None and given.dtype == dtype and given.flags.c_contiguous) else xp.empty(shape, dtype)
+    dy, dx = _gradient_buffers(cotangents[0], out, shape, dtype)
     B, K, geo = geometry(call, shape)
     rt.launch(FAMILY, f"pool_bwd<{rt.ctype(call.dtype)}>", _grid(dx.size), (BLOCK,),
               [dy, dx, rt.ptr(arg), *divs, *_args(B, K, geo), rt.i32(call.op == "max_pool")])
@@ -146,12 +151,6 @@ def unpool_backward(residuals: Any, cotangents: Any, needs: Any, out: Any = None
         return {}
     idx, winner, shape, dtype, sizes, dtype_name = residuals
     out = out or {}
-    dy = cotangents[0]
-    xp = rt.array_module(dy)
-    dy = xp.ascontiguousarray(dy)
-    if dy.dtype != dtype:
-        dy = dy.astype(dtype)
-    given = out.get("x")
-    dx = given if (given is not None and given.dtype == dtype and given.flags.c_contiguous) else xp.empty(shape, dtype)
+    dy, dx = _gradient_buffers(cotangents[0], out, shape, dtype)
     rt.launch(FAMILY, f"unpool_bwd<{rt.ctype(dtype_name)}>", _grid(dx.size), (BLOCK,), [dy, idx, winner, dx, *sizes])
     return {"x": rt.into(out, "x", dx)}
