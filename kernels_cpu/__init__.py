@@ -108,36 +108,24 @@ register_builtin(
 )
 
 
-for _op in ("max_pool", "avg_pool"):
+#: Pooling ops and their kernels' entry points (kernels_cpu.pool:<entry>_forward/_backward).
+_POOLS = {"max_pool": "pool", "avg_pool": "pool", "max_unpool": "unpool"}
+for _op, _entry in _POOLS.items():
     register_builtin(
         _op,
         BACKEND.name,
-        forward="kernels_cpu.pool:pool_forward",
-        backward="kernels_cpu.pool:pool_backward",
+        forward=f"kernels_cpu.pool:{_entry}_forward",
+        backward=f"kernels_cpu.pool:{_entry}_backward",
         supports=Support(
             layouts=("channels_first", "channels_last"),
-            check=int32_pool_positions,
+            # max_unpool keeps its positions in int64: no plane-size limit
+            check=None if _op == "max_unpool" else int32_pool_positions,
             description=options(_op),
             **CPU_SUPPORT,
         ),
         priority=NUMBA_PRIORITY,
         scope=CPU_SCOPE,
     )
-
-
-register_builtin(
-    "max_unpool",
-    BACKEND.name,
-    forward="kernels_cpu.pool:unpool_forward",
-    backward="kernels_cpu.pool:unpool_backward",
-    supports=Support(
-        layouts=("channels_first", "channels_last"),
-        description=options("max_unpool"),
-        **CPU_SUPPORT,
-    ),
-    priority=NUMBA_PRIORITY,
-    scope=CPU_SCOPE,
-)
 
 
 for _op in ("log_softmax", "cross_entropy"):

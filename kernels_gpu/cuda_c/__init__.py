@@ -77,36 +77,24 @@ for _op in ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm
         priority=CUPY_PRIORITY,
     )
 
-for _op in ("max_pool", "avg_pool"):
+#: Pooling ops: their entry points in pool.py (<entry>_forward/_backward) and how the backward works.
+_POOLS = {"max_pool": ("pool", "; gather backward"), "avg_pool": ("pool", "; gather backward"),
+          "max_unpool": ("unpool", " (atomicMax claim, then gather)")}
+for _op, (_entry, _how) in _POOLS.items():
     register_builtin(
         _op,
         BACKEND.name,
-        forward="kernels_gpu.cuda_c.pool:pool_forward",
-        backward="kernels_gpu.cuda_c.pool:pool_backward",
+        forward=f"kernels_gpu.cuda_c.pool:{_entry}_forward",
+        backward=f"kernels_gpu.cuda_c.pool:{_entry}_backward",
         supports=Support(
             dtypes=("float32", "float64", "float16", "bfloat16"),
             layouts=("channels_first", "channels_last"),
             check=int32_pool_positions,
-            description=f"{options(_op)}; gather backward",
+            description=f"{options(_op)}{_how}",
             **GPU_SUPPORT,
         ),
         priority=CUPY_PRIORITY,
     )
-
-register_builtin(
-    "max_unpool",
-    BACKEND.name,
-    forward="kernels_gpu.cuda_c.pool:unpool_forward",
-    backward="kernels_gpu.cuda_c.pool:unpool_backward",
-    supports=Support(
-        dtypes=("float32", "float64", "float16", "bfloat16"),
-        layouts=("channels_first", "channels_last"),
-        check=int32_pool_positions,
-        description=f"{options('max_unpool')} (atomicMax claim, then gather)",
-        **GPU_SUPPORT,
-    ),
-    priority=CUPY_PRIORITY,
-)
 
 
 for _op in ("log_softmax", "cross_entropy"):

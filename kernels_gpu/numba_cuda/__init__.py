@@ -95,36 +95,24 @@ register_builtin(
 )
 
 
-for _op in ("max_pool", "avg_pool"):
+#: Pooling ops: their entry points in pool.py (<entry>_forward/_backward) and how the backward works.
+_POOLS = {"max_pool": ("pool", "; gather backward"), "avg_pool": ("pool", "; gather backward"),
+          "max_unpool": ("unpool", " (atomic-max claim)")}
+for _op, (_entry, _how) in _POOLS.items():
     register_builtin(
         _op,
         BACKEND.name,
-        forward=f"{_PKG}.pool:pool_forward",
-        backward=f"{_PKG}.pool:pool_backward",
+        forward=f"{_PKG}.pool:{_entry}_forward",
+        backward=f"{_PKG}.pool:{_entry}_backward",
         supports=Support(
             dtypes=("float16", "bfloat16", "float32", "float64"),
             layouts=("channels_first", "channels_last"),
             check=int32_pool_positions,
-            description=f"{options(_op)}; gather backward",
+            description=f"{options(_op)}{_how}",
             **GPU_SUPPORT,
         ),
         priority=NUMBA_CUDA_PRIORITY,
     )
-
-register_builtin(
-    "max_unpool",
-    BACKEND.name,
-    forward=f"{_PKG}.pool:unpool_forward",
-    backward=f"{_PKG}.pool:unpool_backward",
-    supports=Support(
-        dtypes=("float16", "bfloat16", "float32", "float64"),
-        layouts=("channels_first", "channels_last"),
-        check=int32_pool_positions,
-        description=f"{options('max_unpool')} (atomic-max claim)",
-        **GPU_SUPPORT,
-    ),
-    priority=NUMBA_CUDA_PRIORITY,
-)
 
 
 register_builtin(
