@@ -112,7 +112,8 @@ def train_torch(model_name: str, data: Digits, cfg: TrainConfig) -> RunStats:
     scratch = copy.deepcopy(module)
     n = min(cfg.batch_size, int(y_train.shape[0]))
     start = time.perf_counter()
-    _step(scratch, _optimizer(cfg, scratch), x_train[:n], y_train[:n], make_optimizer(cfg.optimizer, [], cfg.lr).lr)
+    scratch_optimizer = _optimizer(cfg, scratch)
+    _step(scratch, scratch_optimizer, x_train[:n], y_train[:n], scratch_optimizer.param_groups[0]["lr"])
     _accuracy(scratch, x_train[:n], y_train[:n])
     stats.first_step_s = time.perf_counter() - start
 
