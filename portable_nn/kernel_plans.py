@@ -245,3 +245,39 @@ def split_axis(shape: tuple[int, ...], axis: int) -> tuple[int, int, int]:
     if not shape:
         return 1, 1, 1
     return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
+
+
+# --------------------------------------------------------------------------- LSTM projections (GPU launchers)
+
+
+def project_step(xp: Any, h_full: Any, w_hr: Any, hq: Any, h_in: Any, h_out: Any, y_cols: Any | None,
+                 active: Any | None) -> None:
+    """One step of an LSTM projection: ``hq = h_full·w_hrᵀ``; ``h_out`` (and the output columns
+    ``y_cols``) take it for the sequences still running (``active``, ``(N, 1)`` booleans; ``None``:
+    all), else keep ``h_in`` (and 0)."""
+    if hq.size:
+        xp.matmul(h_full, w_hr.T, out=hq)
+    if active is None:
+        h_out[...] = hq
+        if y_cols is not None:
+            y_cols[...] = hq
+        return
+    h_out[...] = xp.where(active, hq, h_in)
+    if y_cols is not None:
+        y_cols[...] = xp.where(active, hq, xp.zeros((), hq.dtype))
+
+
+def unproject_step(xp: Any, dh: Any, dh_gemm: Any | None, dy_cols: Any | None, active: Any | None, w_hr: Any,
+                   dproj_t: Any, dh_full: Any) -> Any:
+    """A projected step's backward: its dh = ``dh + dh_gemm + dy_cols`` (P columns) into ``dproj_t``
+    (zero for ended sequences), ``dproj_t·w_hr`` into ``dh_full`` (the cell's dh); returns what
+    passes through to the step before (an ended sequence's ``dh + dh_gemm``, else 0)."""
+    g = dh + dh_gemm if dh_gemm is not None else dh.copy()
+    zero = xp.zeros((), g.dtype)
+    passed = zero if active is None else xp.where(active, zero, g)  # an ended sequence's output is 0: no dY
+    if dy_cols is not None:
+        g += dy_cols
+    dproj_t[...] = g if active is None else xp.where(active, g, zero)
+    if dh_full.size:
+        xp.matmul(dproj_t, w_hr, out=dh_full)
+    return passed

@@ -48,7 +48,7 @@ from __future__ import annotations
 from typing import Any
 
 from portable_nn.kernel_codes import CELL_FAMILIES, GATES
-from portable_nn.kernel_plans import caller_layout, time_major, without_padding
+from portable_nn.kernel_plans import caller_layout, project_step, time_major, unproject_step, without_padding
 
 from . import _runtime as rt
 
@@ -281,17 +281,9 @@ def _seq_forward_direction(call, xp, gi, d, w, y, h_init, c_init, lengths, work)
 
 
 def _project_step(xp, work, w, h_in, h_out, y_t, col, lengths, t):
-    """An LSTM projection's step: h = h_full·w_hrᵀ (cuBLAS), kept only for sequences still running."""
-    hq = work["hq"]
-    xp.matmul(work["hf"], w.w_hr.T, out=hq)
-    cols = slice(col, col + w.out)
-    if lengths is None:
-        h_out[...] = hq
-        y_t[:, cols] = hq
-    else:
-        active = (lengths > t)[:, None]
-        h_out[...] = xp.where(active, hq, h_in)
-        y_t[:, cols] = xp.where(active, hq, xp.zeros((), hq.dtype))
+    """An LSTM projection's step (:func:`~portable_nn.kernel_plans.project_step`) on the scratch state."""
+    active = None if lengths is None else (lengths > t)[:, None]
+    project_step(xp, work["hf"], w.w_hr, work["hq"], h_in, h_out, y_t[:, col:col + w.out], active)
 
 
 def sequence_forward(call: Any) -> tuple[tuple[Any, ...], Any]:
@@ -423,18 +415,10 @@ def _seq_backward_direction(call, xp, w, dgi, d, dy, dh_n, dc_n, lengths, want_s
 
 
 def _unproject_step(xp, w, dh_dir, dh_gemm, dy, t, col, lengths, dproj, dh_full):
-    """A projected step's dh = dh_dir + dh_gemm + dY[t] (P columns) into ``dproj[t]`` (zero past a
-    sequence's end), and dh·w_hr into ``dh_full`` for the kernel; returns what passes through
-    (the ended sequences' dh_dir + dh_gemm, else 0)."""
-    g = dh_dir + dh_gemm if dh_gemm is not None else dh_dir.copy()
-    zero = xp.zeros((), g.dtype)
-    # A sequence that has ended passes its dh on untouched (its output there is a constant 0: no dY).
-    passed = zero if lengths is None else xp.where((lengths > t)[:, None], zero, g)
-    if dy is not None:
-        g += dy[t][:, col:col + w.out]
-    dproj[t] = g if lengths is None else xp.where((lengths > t)[:, None], g, zero)
-    xp.matmul(dproj[t], w.w_hr, out=dh_full)
-    return passed
+    """A projected step's backward (:func:`~portable_nn.kernel_plans.unproject_step`) for step t."""
+    active = None if lengths is None else (lengths > t)[:, None]
+    dy_cols = None if dy is None else dy[t][:, col:col + w.out]
+    return unproject_step(xp, dh_dir, dh_gemm, dy_cols, active, w.w_hr, dproj[t], dh_full)
 
 
 def _deliver(buffer: Any, value: Any) -> Any:

@@ -66,7 +66,7 @@ import numpy as np
 from numba import cuda, float64
 
 from portable_nn.kernel_codes import GATES, GRU, GRU_ORIGINAL, LSTM, RNN_RELU, RNN_TANH
-from portable_nn.kernel_plans import time_major, without_padding
+from portable_nn.kernel_plans import project_step, time_major, unproject_step, without_padding
 
 from . import _runtime as rt
 from ._runtime import cast_as, device, kernel
@@ -488,13 +488,9 @@ class _Direction:
                 self._project(hq, t, slot_in, slot_out, y, col)
 
     def _project(self, hq, t, slot_in, slot_out, y, col):
-        """An LSTM projection's step: h = h_full·w_hrᵀ, kept only for sequences still running; Y[t]."""
-        xp = self.xp
-        _matmul(xp, self.hfseq[slot_out], self.w.w_hr.T, hq)
-        active = (self.lengths > t)[:, None]
-        self.hseq[slot_out] = xp.where(active, hq, self.hseq[slot_in])
-        if y is not None:
-            y[t][:, col:col + self.out] = xp.where(active, hq, xp.zeros((), hq.dtype))
+        """An LSTM projection's step (:func:`~portable_nn.kernel_plans.project_step`): hseq and Y[t]."""
+        project_step(self.xp, self.hfseq[slot_out], self.w.w_hr, hq, self.hseq[slot_in], self.hseq[slot_out],
+                     None if y is None else y[t][:, col:col + self.out], (self.lengths > t)[:, None])
 
     def final_h(self):
         return self.hseq[self.final_slot()]
@@ -557,19 +553,10 @@ class _Direction:
         return da, db, dh0, dc0
 
     def _unproject(self, dirh, q, dy, t, col, dh_full):
-        """A projected step's dh = D + Q + dY[t] (P columns) into ``dproj[t]`` (zero past a sequence's
-        end) and dh·w_hr into ``dh_full`` for the kernel; returns what passes through (an ended
-        sequence's D + Q, else 0)."""
-        xp = self.xp
-        g = dirh + q if q is not None else dirh.copy()
-        zero = xp.zeros((), g.dtype)
-        active = (self.lengths > t)[:, None]
-        passed = xp.where(active, zero, g)
-        if dy is not None:
-            g += dy[t][:, col:col + self.out]
-        self.dproj[t] = xp.where(active, g, zero)
-        _matmul(xp, self.dproj[t], self.w.w_hr, dh_full)
-        return passed
+        """A projected step's backward (:func:`~portable_nn.kernel_plans.unproject_step`) for step t."""
+        dy_cols = None if dy is None else dy[t][:, col:col + self.out]
+        return unproject_step(self.xp, dirh, q, dy_cols, (self.lengths > t)[:, None], self.w.w_hr, self.dproj[t],
+                              dh_full)
 
     def hprev(self):
         """(T·N, out): the state entering each step, rows ordered like X's."""
