@@ -734,6 +734,9 @@ def test_cuda_tensors_match_cpu():
     loss_c.backward()
     loss_g.backward()
     assert _rel(loss_g.cpu(), loss_c) < 1e-10
+    # The conv bias feeds a training batch norm: its exact gradient is 0 and each device returns its
+    # own rounding noise (~1e-17), so every gradient is measured against the largest of them all.
+    scale = max(float(q.grad.abs().max()) for q in cpu.parameters())
     for (k, p), q in zip(gpu.named_parameters(), cpu.parameters()):
-        assert _rel(p.grad.cpu(), q.grad) < 1e-9, k
+        assert float((p.grad.cpu() - q.grad).abs().max()) <= 1e-9 * scale, k
     assert _rel(gpu.bn.running_var.cpu(), cpu.bn.running_var) < 1e-12

@@ -133,11 +133,18 @@ def as_float64(a, dtype: str):
     return a.astype(np.float64)
 
 
+def public_arguments(op, args, kwargs):
+    """A spec's ``(args, kwargs)`` as the public op takes them: the specs list a norm's weight and bias
+    positionally, but batch and instance norm take them by keyword."""
+    if op in KEYWORD_PARAM_NORMS and len(args) > 1:
+        return args[:1], {**dict(zip(("weight", "bias"), args[1:])), **kwargs}
+    return args, kwargs
+
+
 def _call(op, args, kwargs, dtype="float32", mixed=False, save=True):
     """A validated Call of ``op`` on NumPy arrays of ``dtype`` (the first array; parameters float32 when
     ``mixed``), as dispatch hands it to the kernels."""
-    if op in KEYWORD_PARAM_NORMS and len(args) > 1:  # weight and bias are keyword-only there
-        args, kwargs = args[:1], {**dict(zip(("weight", "bias"), args[1:])), **kwargs}
+    args, kwargs = public_arguments(op, args, kwargs)
     pdt = "float32" if mixed else dtype
     proxy = {"bfloat16": "float16"}  # NumPy has no bfloat16: validate with float16, then swap the bits in
     data = (0, 1) if op == "cross_entropy" else (0,)  # probability targets have the logits' dtype
@@ -210,6 +217,8 @@ def _to_device(a, dtype, lib):
     """A NumPy argument on the device (float data in ``dtype``; integer labels as int64)."""
     if not isinstance(a, np.ndarray):
         return a
+    if lib == "numpy":
+        return a.astype(dtype) if a.dtype.kind == "f" else a.astype(np.int64)
     if lib == "torch":
         import torch
 
@@ -238,6 +247,8 @@ def _host(a):
         return t.numpy() if not t.is_floating_point() else t.double().numpy()
     if type(a).__module__.startswith("cupy"):
         return a.get().astype(np.float64) if a.dtype.kind == "f" else a.get()
+    if isinstance(a, np.ndarray) and a.dtype.kind == "f":
+        return a.astype(np.float64)
     return a
 
 
@@ -246,27 +257,30 @@ def _dtype_name(a) -> str:
     return str(a.dtype).removeprefix("torch.")
 
 
-def gpu_compare(spec, dtype, mixed, tol_factor=1.0, tol=None):
-    """Forward and every gradient of ``spec`` forced onto ``cupy`` vs the float64 reference.
+def gpu_compare(spec, dtype, mixed, tol_factor=1.0, tol=None, lib=None, backend="cupy"):
+    """Forward and every gradient of ``spec`` forced onto ``backend`` vs the float64 reference.
 
     Cotangents take each output's own dtype (float32 statistics of half data, for ``moments``);
-    ``tol``, when given, bounds outputs and gradients alike (else ``TOL[dtype] * tol_factor`` the
-    outputs and four times that the gradients).
+    integer outputs (pooling indices) take none.  ``tol``, when given, bounds outputs and gradients
+    alike (else ``TOL[dtype] * tol_factor`` the outputs and four times that the gradients).  ``lib``
+    (default: CuPy, or CUDA torch tensors for bfloat16) and ``backend`` let the CPU tests run this
+    same comparison on NumPy, so a mistake in it shows without a GPU.
     """
     _, op, args, kwargs = spec
-    lib = _gpu_lib(dtype)
+    args, kwargs = public_arguments(op, args, kwargs)
+    lib = lib or _gpu_lib(dtype)
     pdt = "float32" if mixed else dtype
     data = (0, 1) if op == "cross_entropy" else (0,)
     dev_args = [_to_device(a, dtype if k in data else pdt, lib) for k, a in enumerate(args)]
     dev_kwargs = {k: _to_device(v, pdt, lib) for k, v in kwargs.items()}
     ref_args = [_host(a) for a in dev_args]  # the rounded values the device sees, in float64
     ref_kwargs = {k: _host(v) for k, v in dev_kwargs.items()}
-    with pnn.use_backend("cupy"):
-        assert pnn.explain(op, *dev_args, **dev_kwargs).backend == "cupy"
+    with pnn.use_backend(backend):
+        assert pnn.explain(op, *dev_args, **dev_kwargs).backend == backend
         y, pullback = pnn.vjp(op, *dev_args, **dev_kwargs)
         ys = y if isinstance(y, tuple) else (y,)
         dys = tuple(_to_device(np.asarray(_rng(5 + k).standard_normal(tuple(v.shape))), _dtype_name(v), lib)
-                    for k, v in enumerate(ys))
+                    if _dtype_name(v).startswith(("float", "bfloat")) else None for k, v in enumerate(ys))
         grads = pullback(dys if isinstance(y, tuple) else dys[0])
     with pnn.use_backend("reference"):
         y_ref, pb_ref = pnn.vjp(op, *ref_args, **ref_kwargs)

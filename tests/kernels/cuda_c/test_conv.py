@@ -86,3 +86,9 @@ def test_emulated_dense_conv(spec, monkeypatch):
 def test_gpu_dense_conv_match_reference(spec, dtype):
     gpu_compare(spec, dtype, False, tol_factor=2.0)
 
+
+@pytest.mark.parametrize("spec", DENSE_SPECS + CONV_SPECS, ids=[s[0] for s in DENSE_SPECS + CONV_SPECS])
+def test_gpu_comparison_runs_on_numpy(spec):
+    """The device comparison's own steps (the public call, cotangents, the reference), run on NumPy
+    through the reference: a slip in them shows without a GPU."""
+    gpu_compare(spec, "float64", False, lib="numpy", backend="reference")

@@ -533,3 +533,13 @@ def test_emulated_norm_special_values(spec, settings, monkeypatch):
         (y, _, _), _ = cnorm.norm_forward(call)
     (y_ref, _, _), _ = reference_of(call, (np.ones(y.shape),), frozenset({"x"}))
     assert_matches(as_float64(y, "float32"), y_ref, TOL["float32"], "y")
+
+
+HOST_SPECS = NORM_SPECS + ROWS_SPECS + MOMENT_SPECS
+
+
+@pytest.mark.parametrize("spec", HOST_SPECS, ids=[s[0] for s in HOST_SPECS])
+def test_gpu_comparison_runs_on_numpy(spec):
+    """The device comparison's own steps (the public call, cotangents, the reference), run on NumPy
+    through the reference: a slip in them shows without a GPU."""
+    gpu_compare(spec, "float64", False, lib="numpy", backend="reference")

@@ -85,3 +85,12 @@ def test_emulated_unpool(spec, monkeypatch):
 def test_gpu_pool_loss_match_reference(spec, dtype, mixed):
     gpu_compare(spec, dtype, mixed, tol_factor=2.0)
 
+
+HOST_SPECS = POOL_SPECS + UNPOOL_SPECS + LOSS_SPECS
+
+
+@pytest.mark.parametrize("spec", HOST_SPECS, ids=[s[0] for s in HOST_SPECS])
+def test_gpu_comparison_runs_on_numpy(spec):
+    """The device comparison's own steps (the public call, cotangents, the reference), run on NumPy
+    through the reference: a slip in them shows without a GPU."""
+    gpu_compare(spec, "float64", False, lib="numpy", backend="reference")

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import portable_nn as pnn
+from pnn_testing import norm_arguments
 
 from . import _sim_checks as sim
 from .numba_cuda_testing import HAS_NUMBA_CUDA
@@ -45,9 +46,46 @@ def _gpu_norm_args(op, rng, dtype, layout):
         return (x, rng.standard_normal(5)), {}
     if op == "group_norm":
         return (x, 3 if layout == "channels_first" else 5, w, b), {"channel_axis": axis, "activation": "silu"}
-    kw = {"channel_axis": axis, "running_mean": rng.standard_normal(c), "running_var": rng.random(c) + 0.5,
-          "return_stats": True}
-    return (x, w, b), kw
+    args, kw = norm_arguments(op, x, w, b)
+    return args, {**kw, "channel_axis": axis, "running_mean": rng.standard_normal(c),
+                  "running_var": rng.random(c) + 0.5, "return_stats": True}
+
+
+def _compare_norm(op, layout, dtype, backend, to_device, to_host):
+    """``op`` forced onto ``backend`` (arrays made by ``to_device``) against the float64 reference,
+    outputs and every gradient."""
+    rng = np.random.default_rng(0)
+    args, kw = _gpu_norm_args(op, rng, dtype, layout)
+    pdt = "float32" if dtype == "float16" else dtype
+
+    def on_device(a, dt):
+        return to_device(np.asarray(a).astype(dt)) if isinstance(a, np.ndarray) else a
+
+    def on_host(a):
+        return np.asarray(to_host(a), np.float64) if hasattr(a, "dtype") else a
+
+    gargs = [on_device(args[0], dtype)] + [on_device(a, pdt) for a in args[1:]]
+    gkw = {k: on_device(v, pdt) for k, v in kw.items()}
+    hargs = [on_host(a) for a in gargs]
+    hkw = {k: on_host(v) for k, v in gkw.items()}
+    fn = getattr(pnn, op)
+    with pnn.use_backend(backend):
+        assert pnn.explain(fn, *gargs, **gkw).backend == backend
+        y, pullback = pnn.vjp(fn, *gargs, **gkw)
+        dy = rng.standard_normal(tuple(gargs[0].shape))
+        grads = pullback(to_device(dy.astype(dtype)))
+    with pnn.use_backend("reference"):
+        y_ref, pull_ref = pnn.vjp(fn, *hargs, **hkw)
+        g_ref = pull_ref(np.asarray(dy.astype(dtype), np.float64))
+    tol = {"float64": 1e-10, "float32": 1e-4, "float16": 5e-3}[dtype]
+    outs = y if isinstance(y, tuple) else (y,)
+    refs = y_ref if isinstance(y_ref, tuple) else (y_ref,)
+    for a, e in zip(outs, refs):
+        assert sim.rel(on_host(a), e) <= tol
+    for name in g_ref._fields:
+        e = getattr(g_ref, name)
+        if e is not None:
+            assert sim.rel(on_host(getattr(grads, name)), e) <= 10 * tol, name
 
 
 @pytest.mark.gpu
@@ -57,35 +95,15 @@ def _gpu_norm_args(op, rng, dtype, layout):
 def test_gpu_norms_match_reference(op, layout, dtype):
     import cupy
 
-    rng = np.random.default_rng(0)
-    args, kw = _gpu_norm_args(op, rng, dtype, layout)
-    pdt = "float32" if dtype == "float16" else dtype
+    _compare_norm(op, layout, dtype, "numba_cuda", cupy.asarray, cupy.asnumpy)
 
-    def on_gpu(a, dt):
-        return cupy.asarray(np.asarray(a).astype(dt)) if isinstance(a, np.ndarray) else a
 
-    gargs = [on_gpu(args[0], dtype)] + [on_gpu(a, pdt) for a in args[1:]]
-    gkw = {k: on_gpu(v, pdt) for k, v in kw.items()}
-    hargs = [np.asarray(cupy.asnumpy(a), np.float64) if isinstance(a, cupy.ndarray) else a for a in gargs]
-    hkw = {k: (np.asarray(cupy.asnumpy(v), np.float64) if isinstance(v, cupy.ndarray) else v) for k, v in gkw.items()}
-    fn = getattr(pnn, op)
-    with pnn.use_backend("numba_cuda"):
-        assert pnn.explain(fn, *gargs, **gkw).backend == "numba_cuda"
-        y, pullback = pnn.vjp(fn, *gargs, **gkw)
-        dy = rng.standard_normal(tuple(gargs[0].shape))
-        grads = pullback(cupy.asarray(dy.astype(dtype)))
-    with pnn.use_backend("reference"):
-        y_ref, pull_ref = pnn.vjp(fn, *hargs, **hkw)
-        g_ref = pull_ref(np.asarray(dy.astype(dtype), np.float64))
-    tol = {"float64": 1e-10, "float32": 1e-4, "float16": 5e-3}[dtype]
-    outs = y if isinstance(y, tuple) else (y,)
-    refs = y_ref if isinstance(y_ref, tuple) else (y_ref,)
-    for a, e in zip(outs, refs):
-        assert sim.rel(cupy.asnumpy(a).astype(np.float64), e) <= tol
-    for name in g_ref._fields:
-        e = getattr(g_ref, name)
-        if e is not None:
-            assert sim.rel(cupy.asnumpy(getattr(grads, name)).astype(np.float64), e) <= 10 * tol, name
+@pytest.mark.parametrize("layout", ["channels_first", "channels_last"])
+@pytest.mark.parametrize("op", NORMS)
+def test_gpu_norm_comparison_runs_on_numpy(op, layout):
+    """The device comparison above, on NumPy through the reference: a slip in the test's own call
+    shows without a GPU."""
+    _compare_norm(op, layout, "float64", "reference", np.asarray, np.asarray)
 
 
 @pytest.mark.gpu
