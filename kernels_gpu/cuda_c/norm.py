@@ -60,6 +60,10 @@ BLOCK = 256
 COLUMN_BLOCK = (32, 8)
 #: Threads per block of the elementwise and merging kernels.
 APPLY_BLOCK = 256
+#: About how many blocks the elementwise passes launch: four waves of resident blocks on a 132-SM
+#: H200 (eight of 256 threads per SM).  One row per thread (a block row per row of the canonical view) ran batch_norm
+#: (64, 256, 56, 56)'s apply at 27% of copy bandwidth there (ncu): the per-thread setup dominated.
+APPLY_TARGET_BLOCKS = 4224
 #: Blocks a launch should have to fill the device (about 4 per SM of an H100).
 TARGET_BLOCKS = 528
 #: Row mode splits a group over several blocks only when it has more elements than this.
@@ -132,9 +136,10 @@ class NormPlan:
         return self.cc * self.qq
 
 
-def _row_chunks(rows_total: int, width: int, per_block_rows: int, outer: int) -> tuple[int, int]:
-    """(chunks, rows per chunk) so that ``outer · chunks`` column blocks roughly fill the device."""
-    bx = COLUMN_BLOCK[0]
+def _row_chunks(rows_total: int, width: int, per_block_rows: int, outer: int, lanes: int = 1) -> tuple[int, int]:
+    """(chunks, rows per chunk) so that ``outer · chunks`` column blocks roughly fill the device
+    (their threads take ``lanes`` columns each when the kernels use vectors)."""
+    bx = COLUMN_BLOCK[0] * lanes
     col_blocks = max(1, rt.blocks(width, bx))
     want = max(1, rt.blocks(TARGET_BLOCKS, col_blocks * max(outer, 1)))
     most = max(1, rt.blocks(rows_total, per_block_rows))
@@ -143,8 +148,11 @@ def _row_chunks(rows_total: int, width: int, per_block_rows: int, outer: int) ->
     return max(1, rt.blocks(rows_total, rows)), rows
 
 
-def make_plan(geometry: tuple[int, int, int, int], cg: int, ss: int) -> NormPlan:
-    """The plan for a canonical view (pure Python; reads the module settings)."""
+def make_plan(geometry: tuple[int, int, int, int], cg: int, ss: int, lanes: int = 1) -> NormPlan:
+    """The plan for a canonical view (pure Python; reads the module settings).  ``lanes``: columns
+    per thread of the vectorised column passes (counted, the channels-last partial sums of
+    batch_norm (64, 256, 56, 56) launched a quarter of the blocks meant: 132, at 25-29% of copy
+    bandwidth on an H200)."""
     nn, pp, cc, qq = geometry
     # Column mode keeps per-sample partials along grid.y, so it needs nn <= 65535.
     column = qq < COLUMN_MODE_BELOW and pp > 1 and nn <= 65535
@@ -153,8 +161,8 @@ def make_plan(geometry: tuple[int, int, int, int], cg: int, ss: int) -> NormPlan
     splits = 1
     if not column and groups < TARGET_BLOCKS and n > SPLIT_MIN_ELEMENTS:
         splits = max(1, min(rt.blocks(n, SPLIT_MIN_ELEMENTS), rt.blocks(TARGET_BLOCKS, max(groups, 1)), 65535))
-    chunks, rows = _row_chunks(pp, cc * qq, COLUMN_BLOCK[1], nn) if column else (1, max(pp, 1))
-    param_chunks, param_rows = _row_chunks(nn * pp, cc * qq, COLUMN_BLOCK[1], 1)
+    chunks, rows = _row_chunks(pp, cc * qq, COLUMN_BLOCK[1], nn, lanes) if column else (1, max(pp, 1))
+    param_chunks, param_rows = _row_chunks(nn * pp, cc * qq, COLUMN_BLOCK[1], 1, lanes)
     return NormPlan(nn, pp, cc, qq, cg, ss, column, splits, chunks, rows, param_chunks, param_rows)
 
 
@@ -162,7 +170,7 @@ def plan_of(call: Any) -> NormPlan:
     """The plan of a norm call."""
     geometry, cg, ss = norm_view(call.kind, tuple(int(v) for v in call.x.shape), len(call.axes), call.layout,
                                  call.params.get("num_groups"))
-    return make_plan(geometry, cg, ss)
+    return make_plan(geometry, cg, ss, _lanes(call.dtype) if VECTOR_APPLY else 1)
 
 
 # --------------------------------------------------------------------------- launch helpers
@@ -184,8 +192,15 @@ def _group_vec(call: Any, plan: NormPlan, *arrays: Any) -> int:
 
 
 def _apply_grid(plan: NormPlan, vec: int = 0, dtype: str = "float32") -> tuple[int, int]:
-    per = _lanes(dtype) if vec else 1
-    return rt.blocks(rt.blocks(plan.width, per), APPLY_BLOCK), min(max(plan.nn * plan.pp, 1), 65535)
+    """Grid of norm_apply / norm_bwd_dx: block columns across a row's vectors, block rows striding
+    the rows.  Rows narrower than a block share one (the kernel's elementwise_walk); at most about
+    APPLY_TARGET_BLOCKS blocks, so each thread walks several rows and its setup (channels,
+    parameters) is paid once for them."""
+    nvec = rt.blocks(plan.width, _lanes(dtype) if vec else 1)
+    rows = max(plan.nn * plan.pp, 1)
+    columns = rt.blocks(nvec, APPLY_BLOCK)
+    rows_per_block = max(1, APPLY_BLOCK // max(nvec, 1))
+    return columns, min(rt.blocks(rows, rows_per_block), rt.blocks(APPLY_TARGET_BLOCKS, columns), 65535)
 
 
 def _geo(plan: NormPlan) -> list:
@@ -253,7 +268,8 @@ def _rows_shared(acc: str) -> int:
 
 
 def _finalize_grid(plan: NormPlan) -> tuple[int]:
-    return (rt.blocks(plan.groups, APPLY_BLOCK),)
+    """A warp per group (the finalize kernels' lanes share its partials)."""
+    return (rt.blocks(plan.groups * 32, APPLY_BLOCK),)
 
 
 # --------------------------------------------------------------------------- forward

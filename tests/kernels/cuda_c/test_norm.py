@@ -26,7 +26,7 @@ from .cuda_c_testing import (
 )
 
 SMALL_NORM = {"BLOCK": 32, "APPLY_BLOCK": 32, "TARGET_BLOCKS": 64, "SPLIT_MIN_ELEMENTS": 8,
-              "COLUMN_BLOCK": (32, 2)}
+              "COLUMN_BLOCK": (32, 2), "APPLY_TARGET_BLOCKS": 2}
 
 
 NORM_SETTINGS = {
