@@ -265,7 +265,7 @@ class Implementation:
     forward: Any
     backward: Any = None
     supports: Support = field(default_factory=Support)
-    priority: int = 0
+    priority: float = 0
     origin: str = "builtin"
     scope: Any = None
 
@@ -346,7 +346,7 @@ def register_builtin(
     forward: Any,
     backward: Any = None,
     supports: Support | None = None,
-    priority: int = 0,
+    priority: float = 0,
     scope: Any = None,
 ) -> None:
     """Declare a built-in implementation (used by the reference and kernel packages).
@@ -571,9 +571,14 @@ def save_gpu_preference(measured: Mapping[str, str], measured_on: str) -> Path:
 
 
 def _effective_priority(impl: Implementation, impls: list[Implementation]) -> float:
-    """A built-in kernel measured fastest for its op ranks just above every other built-in one."""
+    """A built-in kernel measured fastest for its op ranks just above the other built-in kernels for
+    the same arrays (the measurement compares the GPU backends on CuPy arrays), and no higher: a
+    kernel of another library that outranks them all (PyTorch's cuDNN convolution and recurrences on
+    CUDA tensors) stays ahead."""
     if impl.origin == "builtin" and gpu_preference().get(impl.op) == impl.backend:
-        return max(i.priority for i in impls if i.origin == "builtin") + 0.5
+        arrays = backend_arrays(impl.backend)
+        peers = [i.priority for i in impls if i.origin == "builtin" and backend_arrays(i.backend) == arrays]
+        return max(peers) + 0.1
     return impl.priority
 
 

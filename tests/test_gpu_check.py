@@ -130,6 +130,27 @@ def test_preference_file_round_trip_and_order(tmp_path, monkeypatch):
         dispatch._forget_choices()
 
 
+def test_preference_ranks_among_the_gpu_backends_only(tmp_path, monkeypatch):
+    """A measured GPU backend goes ahead of the other GPU backend, not ahead of PyTorch's kernels
+    (cuDNN on CUDA tensors), which outrank both."""
+    monkeypatch.setenv(preference.PREFERENCE_ENV, str(tmp_path / "pref.json"))
+    monkeypatch.setattr(preference, "_cached", None)
+    import kernels_aten
+
+    declared = dispatch.backends.declared()
+    priority = {"cupy": declared["cupy"].priority, "numba_cuda": declared["numba_cuda"].priority,
+                "aten": kernels_aten.PRIORITY["lstm"]}
+    impls = [dispatch.Implementation("lstm", name, forward=lambda call: None, priority=p)
+             for name, p in priority.items()]
+    try:
+        dispatch.save_gpu_preference({"lstm": "numba_cuda"}, "test GPU")
+        cupy, numba_cuda, aten = (dispatch._effective_priority(i, impls) for i in impls)
+        assert cupy < numba_cuda < aten
+    finally:
+        monkeypatch.setattr(preference, "_cached", None)
+        dispatch._forget_choices()
+
+
 def test_a_corrupt_preference_file_is_ignored(tmp_path, monkeypatch):
     bad = tmp_path / "pref.json"
     bad.write_text("{not json")
