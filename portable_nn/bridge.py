@@ -8,6 +8,7 @@ tensors sharing the kernels' memory.  Dispatch builds one :class:`Bridge` per ca
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 from . import _arrays
@@ -64,20 +65,44 @@ class Bridge:
         return _arrays.NUMPY_NAMESPACE
 
     def context(self) -> Any:
-        """Where a CuPy-native kernel runs: the arrays' device and, for torch, torch's stream."""
+        """Where a CuPy-native kernel runs: the arrays' device and, for torch, torch's stream.
+
+        Nothing to enter for CuPy arrays already on the current device (the usual call): entering
+        the device took a few of the ~100 µs a small GPU call cost on an H200's host.
+        """
         if self.native != "cupy" or _arrays.device_kind(self.device) != "cuda":
             return contextlib.nullcontext()
         import cupy
 
-        stack = contextlib.ExitStack()
         index = _arrays.cuda_index(self.device)
-        stack.enter_context(cupy.cuda.Device(index))
-        if self.family == "torch":
-            import torch
+        if self.family != "torch":
+            if cupy.cuda.runtime.getDevice() == index:
+                return contextlib.nullcontext()
+            return cupy.cuda.Device(index)
+        import torch
 
-            stream = torch.cuda.current_stream(index)
-            stack.enter_context(cupy.cuda.ExternalStream(stream.cuda_stream, index))
+        stack = contextlib.ExitStack()
+        stack.enter_context(cupy.cuda.Device(index))
+        stack.enter_context(_external_stream(cupy, torch.cuda.current_stream(index).cuda_stream, index))
         return stack
+
+
+#: CuPy's handle on each torch stream seen, by (stream pointer, device): one per stream rather
+#: than a new (deprecated-API, warning) object per call.
+_external_streams: dict[tuple[int, int], Any] = {}
+
+
+def _external_stream(cupy: Any, pointer: int, index: int) -> Any:
+    """CuPy's view of the torch stream ``pointer`` on device ``index`` (made once per stream)."""
+    key = (pointer, index)
+    stream = _external_streams.get(key)
+    if stream is None:
+        if len(_external_streams) > 64:  # streams come and go in some programs: keep the table small
+            _external_streams.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # CuPy 14 prefers Stream.from_external
+            stream = _external_streams[key] = cupy.cuda.ExternalStream(pointer, index)
+    return stream
 
 
 class NoGrad:
