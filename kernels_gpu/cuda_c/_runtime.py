@@ -175,6 +175,15 @@ def ctype(dtype: str) -> str:
     return TYPES[dtype][0]
 
 
+#: Elements of each storage (C) type in a 16-byte vector (vec_width in common.cuh).
+VECTOR_LANES = {"float": 4, "double": 2, "pnn_half": 8, "pnn_bf16": 8}
+
+
+def vector_lanes(dtype: str) -> int:
+    """Elements of ``dtype`` in one 16-byte vector load of the kernels."""
+    return VECTOR_LANES[ctype(dtype)]
+
+
 def acc_dtype(dtype: str) -> str:
     """The NumPy/CuPy dtype name of the accumulation type of ``dtype``."""
     return TYPES[dtype][2]

@@ -83,6 +83,38 @@ template <class A, class P> __device__ __forceinline__ A param_or(const P* p, lo
     return p ? static_cast<A>(to_acc(p[j])) : fill;
 }
 
+// --------------------------------------------------------------------------- 16-byte vectors
+// (the norm and loss kernels' vector loads and stores)
+
+// Elements of T in a 16-byte vector.
+template <class T> struct vec_width { static const int value = 16 / sizeof(T); };
+
+struct __align__(16) pnn_vec16 { unsigned int a, b, c, d; };
+
+// Load N consecutive elements at p (16-byte aligned, N·sizeof(P) a multiple of 16) as A.
+template <int N, class A, class P> __device__ __forceinline__ void load_vec(const P* p, A* out) {
+    const int per = 16 / sizeof(P);
+#pragma unroll
+    for (int k = 0; k < N / per; ++k) {
+        union { pnn_vec16 v; P e[16 / sizeof(P)]; } u;
+        u.v = reinterpret_cast<const pnn_vec16*>(p)[k];
+#pragma unroll
+        for (int m = 0; m < per; ++m) out[k * per + m] = static_cast<A>(to_acc(u.e[m]));
+    }
+}
+
+// Store N accumulated values at p (16-byte aligned) as T.
+template <int N, class T, class A> __device__ __forceinline__ void store_vec(T* p, const A* in) {
+    const int per = 16 / sizeof(T);
+#pragma unroll
+    for (int k = 0; k < N / per; ++k) {
+        union { pnn_vec16 v; T e[16 / sizeof(T)]; } u;
+#pragma unroll
+        for (int m = 0; m < per; ++m) u.e[m] = from_acc<T>(in[k * per + m]);
+        reinterpret_cast<pnn_vec16*>(p)[k] = u.v;
+    }
+}
+
 // --------------------------------------------------------------------------- math by type
 
 __device__ __forceinline__ float pnn_exp(float v) { return expf(v); }

@@ -24,6 +24,8 @@ BLOCK = 256
 MAX_BLOCKS = 65535 * 8
 #: Threads of the single-block loss reduction.
 REDUCE_BLOCK = 1024
+#: Whether the forward rows kernels may read in 16-byte vectors (tests turn it off for the scalar path).
+VECTOR_ROWS = True
 
 _DTYPES = ("float", "double", "pnn_half", "pnn_bf16")
 rt.declare(FAMILY, [f"{k}<{t}>" for k in ("lsm_rows_fwd", "lsm_cols_fwd", "lsm_rows_bwd", "lsm_cols_bwd", "ce_reduce")
@@ -41,13 +43,20 @@ def _shared(threads: int, dtype: str) -> int:
     return 2 * threads * (8 if dtype == "float64" else 4)
 
 
+def _rows_vec(dtype: str, classes: int, *arrays: Any) -> int:
+    """1 when the rows kernels can read (and write) their rows in 16-byte vectors: rows of whole
+    vectors, arrays 16-byte aligned."""
+    return int(VECTOR_ROWS and classes % rt.vector_lanes(dtype) == 0 and rt.aligned(*arrays))
+
+
 def _softmax_launch(kind: str, dtype: str, arrays: list, outer: int, classes: int, inner: int) -> None:
     """A log_softmax kernel over (outer, C, inner): the rows variant when inner == 1."""
     t = rt.ctype(dtype)
     if inner == 1:
         block = rt.check_block(BLOCK, "BLOCK")
+        vec = [rt.i32(_rows_vec(dtype, classes, *arrays))] if kind == "fwd" else []
         rt.launch(FAMILY, f"lsm_rows_{kind}<{t}>", (min(outer, MAX_BLOCKS),), (block,),
-                  [*arrays, rt.i64(outer), rt.i64(classes)], _shared(block, dtype))
+                  [*arrays, rt.i64(outer), rt.i64(classes), *vec], _shared(block, dtype))
     else:
         rt.launch(FAMILY, f"lsm_cols_{kind}<{t}>", _grid(outer * inner), (BLOCK,),
                   [*arrays, rt.i64(outer), rt.i64(classes), rt.i64(inner)])
@@ -112,7 +121,8 @@ def cross_entropy_forward(call: Any) -> tuple[tuple[Any], Any]:
     if inner == 1 and classes > 0:
         block = rt.check_block(BLOCK, "BLOCK")
         rt.launch(FAMILY, f"ce_rows_fwd<{types[0]}, {types[1]}>", (min(outer, MAX_BLOCKS),), (block,),
-                  [*outputs, rt.i64(outer), rt.i64(classes), *options], _shared(block, call.dtype))
+                  [*outputs, rt.i64(outer), rt.i64(classes), *options, rt.i32(_rows_vec(call.dtype, classes, z))],
+                  _shared(block, call.dtype))
     else:
         rt.launch(FAMILY, f"ce_fwd<{types[0]}, {types[1]}>", _grid(positions), (BLOCK,),
                   [*outputs, rt.i64(outer), rt.i64(classes), rt.i64(inner), *options])

@@ -235,7 +235,7 @@ def _column_partials(plan, types, x, dy, w, b, mean, rstd, mode, per_sample, cen
     bx, by = COLUMN_BLOCK
     rt.check_block(bx * by, "COLUMN_BLOCK threads")
     # mode 0 (statistics) is always per sample: the vector form loads each column's shift once
-    width_v = _LANES[types[0]]
+    width_v = rt.VECTOR_LANES[types[0]]
     vec = int(VECTOR_APPLY and (per_sample or mode == 1) and plan.width % width_v == 0 and rt.aligned(x, dy))
     per = width_v if vec else 1
     rt.launch(FAMILY, f"norm_col_partial<{types[0]}, {types[1]}>",
@@ -268,12 +268,8 @@ def _rows_threads(call: Any, plan: NormPlan, kernel: str, vecs: int, *arrays: An
     return threads, rt.blocks(nvec, threads)
 
 
-#: Elements of each storage type in a 16-byte vector (vec_width in norm.cu).
-_LANES = {"float": 4, "double": 2, "pnn_half": 8, "pnn_bf16": 8}
-
-
 def _lanes(dtype: str) -> int:
-    return _LANES[rt.ctype(dtype)]
+    return rt.vector_lanes(dtype)
 
 
 def _rows_shared(acc: str) -> int:

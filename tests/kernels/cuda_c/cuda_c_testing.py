@@ -358,6 +358,22 @@ def loss_specs():
          {"reduction": "none"}),
         ("ce-all-ignored", "cross_entropy", (r.standard_normal((3, 4)), np.array([-100, -100, -100])), {}),
         ("ce-unbatched", "cross_entropy", (r.standard_normal(5), np.array(2)), {}),
+        *_vector_loss_specs(),
+    ]
+
+
+def _vector_loss_specs():
+    """Rows of whole 16-byte vectors in every dtype (classes a multiple of 8): the rows kernels'
+    vector path, with class weights, smoothing and probability targets."""
+    r = _rng(14)
+    probs = r.random((6, 16))
+    probs /= probs.sum(axis=1, keepdims=True)
+    return [
+        ("lsm-rows-vec", "log_softmax", (r.standard_normal((5, 48)),), {}),
+        ("ce-index-weight-smooth-vec", "cross_entropy", (r.standard_normal((6, 16)), r.integers(0, 16, 6)),
+         {"weight": r.random(16) + 0.5, "label_smoothing": 0.1}),
+        ("ce-prob-weight-smooth-vec", "cross_entropy", (r.standard_normal((6, 16)), probs),
+         {"weight": r.random(16) + 0.5, "label_smoothing": 0.1}),
     ]
 
 
