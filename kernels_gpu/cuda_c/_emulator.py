@@ -78,12 +78,15 @@ def build(family: str) -> tuple[ctypes.CDLL, dict[str, str]]:
         os.makedirs(cache, exist_ok=True)
         lib_path = os.path.join(cache, f"{family}_{digest}.so")
         if not os.path.exists(lib_path):
-            src = os.path.join(cache, f"{family}_{digest}.cpp")
+            # Source and library under this process's own names until the final rename: test workers
+            # building the same family at once rewrote one shared .cpp under each other's compiler.
+            src = os.path.join(cache, f"{family}_{digest}.{os.getpid()}.cpp")
             with open(src, "w", encoding="utf-8") as f:
                 f.write(text)
             tmp = f"{lib_path}.{os.getpid()}.tmp"
             cmd = [compiler() or "g++", "-std=c++17", "-O1", "-fPIC", "-shared", "-w", f"-I{_HERE}", src, "-o", tmp]
             res = subprocess.run(cmd, capture_output=True, text=True)
+            os.remove(src)
             if res.returncode != 0:
                 raise RuntimeError(f"emulator build of {family} failed:\n{res.stderr[-6000:]}")
             os.replace(tmp, lib_path)

@@ -131,16 +131,29 @@ __global__ void lsm_cols_fwd(const T* x, T* y, long long outer, long long C, lon
 
 // dx = dy − exp(y) · Σ dy along the class axis.
 template <class T>
-__global__ void lsm_rows_bwd(const T* y, const T* dy, T* dx, long long rows, long long C) {
+__global__ void lsm_rows_bwd(const T* y, const T* dy, T* dx, long long rows, long long C, int vec) {
     typedef typename acc_of<T>::type A;
     A* sh = shared_as<A>();
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* yr = y + r * C;
+        const T* dyr = dy + r * C;
         A s = 0, unused = 0;
-        for (long long c = threadIdx.x; c < C; c += blockDim.x) s += static_cast<A>(to_acc(dy[r * C + c]));
+        for (long long c = row_start<T>(vec); c < C; c += row_step<T>(vec)) {
+            A g[vec_width<T>::value];
+            const int n = row_values(dyr, c, vec, g);
+            for (int k = 0; k < n; ++k) s += g[k];
+        }
         block_sum2(s, unused, sh);
-        for (long long c = threadIdx.x; c < C; c += blockDim.x) {
-            const long long o = r * C + c;
-            dx[o] = from_acc<T>(static_cast<A>(to_acc(dy[o])) - pnn_exp(static_cast<A>(to_acc(y[o]))) * s);
+        for (long long c = row_start<T>(vec); c < C; c += row_step<T>(vec)) {
+            A g[vec_width<T>::value], v[vec_width<T>::value];
+            const int n = row_values(dyr, c, vec, g);
+            row_values(yr, c, vec, v);
+            for (int k = 0; k < n; ++k) g[k] -= pnn_exp(v[k]) * s;
+            if (vec) {
+                store_vec<vec_width<T>::value>(dx + r * C + c, g);
+            } else {
+                dx[r * C + c] = from_acc<T>(g[0]);
+            }
         }
     }
 }

@@ -24,7 +24,7 @@ BLOCK = 256
 MAX_BLOCKS = 65535 * 8
 #: Threads of the single-block loss reduction.
 REDUCE_BLOCK = 1024
-#: Whether the forward rows kernels may read in 16-byte vectors (tests turn it off for the scalar path).
+#: Whether the rows kernels of log_softmax and the cross_entropy forward may use 16-byte vectors.
 VECTOR_ROWS = True
 
 _DTYPES = ("float", "double", "pnn_half", "pnn_bf16")
@@ -54,9 +54,9 @@ def _softmax_launch(kind: str, dtype: str, arrays: list, outer: int, classes: in
     t = rt.ctype(dtype)
     if inner == 1:
         block = rt.check_block(BLOCK, "BLOCK")
-        vec = [rt.i32(_rows_vec(dtype, classes, *arrays))] if kind == "fwd" else []
         rt.launch(FAMILY, f"lsm_rows_{kind}<{t}>", (min(outer, MAX_BLOCKS),), (block,),
-                  [*arrays, rt.i64(outer), rt.i64(classes), *vec], _shared(block, dtype))
+                  [*arrays, rt.i64(outer), rt.i64(classes), rt.i32(_rows_vec(dtype, classes, *arrays))],
+                  _shared(block, dtype))
     else:
         rt.launch(FAMILY, f"lsm_cols_{kind}<{t}>", _grid(outer * inner), (BLOCK,),
                   [*arrays, rt.i64(outer), rt.i64(classes), rt.i64(inner)])
