@@ -42,7 +42,8 @@ def _probe() -> tuple[bool, str]:
 
 
 BACKEND = Backend("numba", probe=_probe, priority=NUMBA_PRIORITY, arrays="numpy",
-                  description="Numba-JIT CPU kernels: NumPy arrays and CPU torch tensors (zero-copy)")
+                  description="Numba-JIT CPU kernels: NumPy arrays and CPU torch tensors (zero-copy)",
+                  compile_variants="kernels_cpu._runtime:every_variant")
 
 register_builtin(
     "moments",

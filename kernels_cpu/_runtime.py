@@ -306,6 +306,26 @@ def parallel_section(n: int | None = None) -> Iterator[None]:
             numba.set_num_threads(before)
 
 
+#: Set only inside :func:`every_variant` (the ahead-of-time compilation).
+_every_variant = False
+
+
+@contextlib.contextmanager
+def every_variant() -> Iterator[None]:
+    """Calls inside run the parallel kernels whatever their size (where threads may run at all).
+
+    ``python -m portable_nn compile`` runs its small sample calls a second time under it, so the
+    kernels that only large calls use are compiled ahead of time too.  Process-wide while active:
+    meant for that command, not for programs running other calls at the same time.
+    """
+    global _every_variant
+    saved, _every_variant = _every_variant, True
+    try:
+        yield
+    finally:
+        _every_variant = saved
+
+
 def run_sized(parallel_kernel, serial_kernel, parallel: bool, *args) -> None:
     """Run the parallel kernel when ``parallel`` and more than one thread may run, else the serial one.
 
@@ -313,7 +333,7 @@ def run_sized(parallel_kernel, serial_kernel, parallel: bool, *args) -> None:
     pool costs more than it saves below ~50 us of work); :func:`parallel_threads` decides
     whether threads may run at all (the user's thread count, a forked child).
     """
-    if parallel:
+    if parallel or _every_variant:
         n = parallel_threads()
         if n > 1:
             with parallel_section(n):

@@ -13,6 +13,7 @@ tests and the GPU benchmark on a CUDA machine (:mod:`portable_nn.gpu_check`);
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .about import report
@@ -48,7 +49,8 @@ def _compile(args: argparse.Namespace) -> int:
     ops = [op.strip() for op in args.ops.split(",") if op.strip()] if args.ops else None
     start = time.perf_counter()
     try:
-        compile_kernels(ops, [d.strip() for d in args.dtypes.split(",") if d.strip()], args.backend)
+        compile_kernels(ops, [d.strip() for d in args.dtypes.split(",") if d.strip()], args.backend,
+                        jobs=args.jobs if args.jobs is not None else (os.cpu_count() or 1))
     except ValueError as exc:
         print(f"python -m portable_nn compile: {exc}", file=sys.stderr)
         return 2
@@ -71,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     compile_.add_argument("--dtypes", default="float32,float64",
                           help="comma-separated dtypes (default: float32,float64)")
     compile_.add_argument("--backend", default="numba", help="the kernel backend to compile (default: numba)")
+    compile_.add_argument("--jobs", type=int, default=None,
+                          help="processes compiling at once, one op family each (default: the number of CPUs)")
     bench = sub.add_parser("bench", help="benchmark every backend against PyTorch (fwd, bwd, fwd+bwd)",
                            description="By default each contender runs each workload in its own fresh process "
                            "with the user's environment (tuning variables removed), alternated over rounds; "

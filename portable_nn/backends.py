@@ -57,6 +57,10 @@ class Backend:
         arrays: the array library its kernels take natively (``"numpy"``, ``"cupy"``, ``"torch"``, or
             ``"any"``): what the demo and the benchmarks hand it.
         description: one line for ``info``.
+        compile_variants: ``"module:function"`` of a context manager under which calls run the
+            kernel variants only large calls reach (the parallel ones), or ``""``: ``python -m
+            portable_nn compile`` runs its small samples under it as well, so that those are
+            compiled ahead of time too.
     """
 
     name: str
@@ -64,6 +68,7 @@ class Backend:
     priority: int = 0
     arrays: str = "numpy"
     description: str = ""
+    compile_variants: str = ""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,9 @@ tests use it as "one valid call of every op").
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -16,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from . import api, config, dispatch
+from . import api, backends, config, dispatch, kernel_cache
 from .autodiff import vjp
 
 __all__ = ["compile_kernels", "samples"]
@@ -47,8 +50,9 @@ def samples(dtype: str = "float64") -> dict[str, list[tuple[tuple[Any, ...], dic
 
     return {
         "moments": [((a(2, 3),), {"axis": 0})],
-        "batch_norm": layouts(a(4, 3, 2), (), {"weight": a(3), "bias": a(3), "running_mean": np.zeros(3, dtype),
-                                               "running_var": np.ones(3, dtype)}),
+        "batch_norm": [*layouts(a(4, 3, 2), (), {"weight": a(3), "bias": a(3), "running_mean": np.zeros(3, dtype),
+                                                 "running_var": np.ones(3, dtype)}),
+                       ((a(2, 3, 8, 8),), {"weight": a(3), "bias": a(3)})],  # row mode (images of >= 32 pixels)
         "layer_norm": [((a(2, 3), a(3), a(3)), {})],
         "group_norm": layouts(a(2, 4, 3), (2, a(4), a(4)), {}),
         "instance_norm": layouts(a(2, 3, 5), (), {"weight": a(3), "bias": a(3)}),
@@ -98,6 +102,7 @@ def compile_kernels(
     dtypes: Iterable[str] = DEFAULT_DTYPES,
     backend: str = "numba",
     progress: bool | None = None,
+    jobs: int = 1,
 ) -> dict[str, float]:
     """Compile (or load from the cache) ``backend``'s kernels of ``ops`` for ``dtypes``.
 
@@ -107,12 +112,16 @@ def compile_kernels(
         backend: the kernel backend (default ``"numba"``, the CPU kernels).
         progress: a progress bar (tqdm, when installed) on a terminal; ``None`` decides by
             whether stderr is one.  Without one, a line per op.
+        jobs: processes compiling at once (Numba compiles on one core per process); each takes
+            whole op families (the ops of one kernel module), so no two compile the same kernel
+            or write the same cache index.
 
     Returns:
-        Seconds spent per op (compilation, or loading an already-filled cache).
+        Seconds spent per op (compilation, or loading an already-filled cache), in the process
+        that built it.
 
     Raises:
-        ValueError: an unknown op or dtype, or a backend that is not available here.
+        ValueError: an unknown op or dtype, a backend that is not available here, or ``jobs < 1``.
     """
     known = dispatch.op_names()
     chosen = list(known) if not ops else list(ops)
@@ -126,24 +135,90 @@ def compile_kernels(
     status = dispatch.backend_status(backend)
     if not status:
         raise ValueError(f"backend {backend!r} is not available here: {status.reason}")
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be a positive int, got {jobs!r}")
     terminal = bool(getattr(sys.stderr, "isatty", lambda: False)()) if progress is None else progress
     bar = _bar(len(chosen), terminal)
     timings: dict[str, float] = {}
-    calls = {dtype: samples(dtype) for dtype in dtypes if dtype != "bfloat16"}
-    for op in chosen:
-        if bar is not None:
-            bar.set_description(f"compiling {op}")
-        start = time.perf_counter()
-        ran = [_run(op, backend, args, kwargs) for dtype in calls for args, kwargs in calls[dtype][op]]
-        timings[op] = time.perf_counter() - start
+
+    def report(op: str, seconds: float, ran: bool) -> None:
+        timings[op] = seconds
         if bar is not None:
             bar.update(1)
         else:
-            what = "compiled or loaded" if any(ran) else f"nothing: {backend} declines these calls"
-            print(f"{op}: {what} in {timings[op]:.1f} s", flush=True)
+            what = "compiled or loaded" if ran else f"nothing: {backend} declines these calls"
+            print(f"{op}: {what} in {seconds:.1f} s", flush=True)
+
+    families = _families(chosen)
+    if jobs > 1 and len(families) > 1:
+        _compile_in_processes(families, dtypes, backend, min(jobs, len(families)), bar, report)
+    else:
+        for op in chosen:
+            if bar is not None:
+                bar.set_description(f"compiling {op}")
+            report(op, *_compile_op(op, dtypes, backend))
     if bar is not None:
         bar.close()
     return timings
+
+
+def _families(ops: Sequence[str]) -> list[list[str]]:
+    """``ops`` grouped by op family (the kernel module they share), in first-seen order."""
+    groups: dict[str, list[str]] = {}
+    for op in ops:
+        groups.setdefault(dispatch.op_family(op), []).append(op)
+    return list(groups.values())
+
+
+def _variants(backend: str) -> list[Callable[[], Any]]:
+    """The contexts to run the samples under: as they are, then (where the backend declares one)
+    taking the variants only large calls reach."""
+    contexts: list[Callable[[], Any]] = [contextlib.nullcontext]
+    dispatch.backend_names()  # loads the backend packages (a fresh worker process has none yet)
+    declared = backends.declared().get(backend)
+    if declared is not None and declared.compile_variants:
+        module, _, name = declared.compile_variants.partition(":")
+        contexts.append(getattr(importlib.import_module(module), name))
+    return contexts
+
+
+def _compile_op(op: str, dtypes: Sequence[str], backend: str) -> tuple[float, bool]:
+    """(seconds, whether the backend took any call) of compiling ``op``'s kernels for ``dtypes``."""
+    start = time.perf_counter()
+    ran = []
+    for variant in _variants(backend):
+        with variant():
+            ran += [_run(op, backend, args, kwargs) for dtype in dtypes if dtype != "bfloat16"
+                    for args, kwargs in samples(dtype)[op]]
+    return time.perf_counter() - start, any(ran)
+
+
+def _compile_family(ops: Sequence[str], dtypes: Sequence[str], backend: str) -> list[tuple[str, float, bool]]:
+    """A worker process's job: every op of one family, in turn."""
+    return [(op, *_compile_op(op, dtypes, backend)) for op in ops]
+
+
+def _quiet_worker() -> None:
+    """The workers leave the compile notices to the parent's progress (one line per op)."""
+    os.environ[kernel_cache.NOTICE_VARIABLE] = "0"
+
+
+def _compile_in_processes(families: list[list[str]], dtypes: Sequence[str], backend: str, jobs: int, bar: Any,
+                          report: Callable[[str, float, bool], None]) -> None:
+    """Each family in a fresh process (spawned: Numba's and TBB's threads do not survive a fork),
+    ``jobs`` at a time, the largest families first."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    ordered = sorted(families, key=len, reverse=True)
+    if bar is not None:
+        bar.set_description(f"compiling in {jobs} processes")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_quiet_worker) as pool:
+        pending = [pool.submit(_compile_family, family, tuple(dtypes), backend) for family in ordered]
+        for future in as_completed(pending):
+            for op, seconds, ran in future.result():
+                report(op, seconds, ran)
 
 
 def _bar(total: int, terminal: bool) -> Any:

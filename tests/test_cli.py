@@ -94,6 +94,31 @@ def test_compile_fills_the_cache_ahead_of_time(tmp_path):
     assert "portable_nn: compiling" not in second.stderr
 
 
+def test_compile_builds_families_in_parallel_processes(tmp_path):
+    """--jobs 2 compiles two op families in two worker processes; a later process only loads.  Each
+    family's kernels, parallel variants included (the samples run again under the backend's
+    compile_variants), are in the cache."""
+    env = {"NUMBA_CACHE_DIR": str(tmp_path), "PORTABLE_NN_COMPILE_NOTICE": "1"}
+    args = ("-m", "portable_nn", "compile", "--ops", "log_softmax,dense", "--dtypes", "float64")
+    first = _run(*args, "--jobs", "2", env_extra=env, timeout=600)
+    assert first.returncode == 0, first.stderr
+    assert "log_softmax: compiled or loaded" in first.stdout and "dense: compiled or loaded" in first.stdout
+    code = ("import numpy as np, portable_nn as pnn; from kernels_cpu import _runtime\n"
+            "x = np.ones((64, 1024)); w = np.ones((8, 1024))\n"
+            "assert _runtime.parallel_threads() > 1\n"
+            "with pnn.use_backend('numba'):\n"
+            "    y, pb = pnn.vjp(pnn.log_softmax, x); pb(y)\n"
+            "    y, pb = pnn.vjp(pnn.dense, x, w); pb(y)\n")
+    second = _run("-c", code, env_extra=env, timeout=600)
+    assert second.returncode == 0, second.stderr
+    assert "portable_nn: compiling" not in second.stderr
+
+
+def test_compile_refuses_a_bad_job_count():
+    out = _run("-m", "portable_nn", "compile", "--ops", "log_softmax", "--jobs", "0")
+    assert out.returncode == 2 and "jobs must be a positive int, got 0" in out.stderr
+
+
 def test_compile_names_a_bad_op():
     out = _run("-m", "portable_nn", "compile", "--ops", "layer_nrom")
     assert out.returncode == 2 and "unknown op(s) layer_nrom" in out.stderr
