@@ -61,6 +61,26 @@ def numba_cache_dir(py_file: str) -> str | None:
     return None
 
 
+#: The suffix of the marker files :func:`warm_marker` names (dropped with the stale kernels).
+_MARKER_SUFFIX = ".warm"
+
+
+def warm_marker(py_file: str, name: str) -> str | None:
+    """A marker file in the kernel cache of ``py_file``'s package (``None`` where that cache is not
+    writable): a program that compiled what it needs ahead of time leaves it, and finds it next
+    time.  It goes with the kernels when a source change drops them."""
+    try:
+        cache = numba_cache_dir(py_file)
+    except (ImportError, AttributeError):
+        return None
+    if cache is None:
+        return None
+    existing = cache if os.path.isdir(cache) else os.path.dirname(cache)
+    if not os.access(existing, os.W_OK):
+        return None
+    return os.path.join(cache, name + _MARKER_SUFFIX)
+
+
 def drop_stale_cache(py_file: str) -> bool:
     """Delete the cached kernels of ``py_file``'s package if any of its sources changed.
 
@@ -83,7 +103,7 @@ def drop_stale_cache(py_file: str) -> bool:
             pass
         os.makedirs(cache, exist_ok=True)
         for name in os.listdir(cache):
-            if name.endswith((".nbi", ".nbc")):
+            if name.endswith((".nbi", ".nbc", _MARKER_SUFFIX)):
                 with contextlib.suppress(OSError):
                     os.remove(os.path.join(cache, name))
         with open(stamp, "w") as fh:

@@ -103,6 +103,7 @@ def compile_kernels(
     backend: str = "numba",
     progress: bool | None = None,
     jobs: int = 1,
+    quiet: bool = False,
 ) -> dict[str, float]:
     """Compile (or load from the cache) ``backend``'s kernels of ``ops`` for ``dtypes``.
 
@@ -115,6 +116,7 @@ def compile_kernels(
         jobs: processes compiling at once (Numba compiles on one core per process); each takes
             whole op families (the ops of one kernel module), so no two compile the same kernel
             or write the same cache index.
+        quiet: no line per op where there is no progress bar.
 
     Returns:
         Seconds spent per op (compilation, or loading an already-filled cache), in the process
@@ -145,7 +147,7 @@ def compile_kernels(
         timings[op] = seconds
         if bar is not None:
             bar.update(1)
-        else:
+        elif not quiet:
             what = "compiled or loaded" if ran else f"nothing: {backend} declines these calls"
             print(f"{op}: {what} in {seconds:.1f} s", flush=True)
 

@@ -28,7 +28,10 @@ import portable_nn as pnn
 from .data import N_CLASSES
 from .optim import array_module
 
-__all__ = ["CNN", "MODELS", "Model", "RowLSTM", "Workspace"]
+__all__ = ["CNN", "MODELS", "OPS", "Model", "RowLSTM", "Workspace"]
+
+#: The portable_nn ops the two models call (the demo compiles their kernels first on a new machine).
+OPS = ("conv", "batch_norm", "max_pool", "dense", "cross_entropy", "lstm")
 
 
 class Workspace:

@@ -371,3 +371,42 @@ def test_the_torch_twin_is_the_same_model_on_the_same_batches(name):
     for a, b in zip(ours.epochs, theirs.epochs):
         assert abs(a.loss - b.loss) <= 1e-4 * abs(a.loss)
         assert abs(a.accuracy - b.accuracy) <= 1 / len(digits.y_test)
+
+
+# --------------------------------------------------------------------------- first use
+
+
+def test_the_models_declare_the_ops_they_call():
+    """models.OPS (what the demo compiles first) is exactly the ops the models' code calls."""
+    import inspect
+
+    called = set(re.findall(r"pnn\.(\w+)[(,]", inspect.getsource(models))) - {"vjp"}
+    assert called == set(models.OPS)
+
+
+def test_the_demo_compiles_the_models_kernels_once(monkeypatch, tmp_path, capsys):
+    """Without the marker: one compile of the models' ops in parallel processes, then the marker;
+    with it: nothing."""
+    from portable_nn import kernel_cache, warmup
+
+    calls = []
+    monkeypatch.setattr(warmup, "compile_kernels", lambda *a, **k: calls.append((a, k)) or {})
+    monkeypatch.setattr(kernel_cache, "warm_marker", lambda py_file, name: str(tmp_path / f"{name}.warm"))
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    examples.compile_models_first("float32")
+    examples.compile_models_first("float32")
+    assert len(calls) == 1
+    (ops, dtypes, backend), options = calls[0]
+    assert ops == models.OPS and dtypes == ["float32"] and backend == "numba" and options["jobs"] == 4
+    assert (tmp_path / "demo-float32.warm").exists()
+    assert "compiling the models' kernels in 4 processes (first use only)" in capsys.readouterr().out
+
+
+def test_the_demo_compiles_nothing_first_on_one_cpu(monkeypatch, tmp_path):
+    from portable_nn import kernel_cache, warmup
+
+    monkeypatch.setattr(warmup, "compile_kernels", lambda *a, **k: pytest.fail("compiled on one CPU"))
+    monkeypatch.setattr(kernel_cache, "warm_marker", lambda py_file, name: str(tmp_path / f"{name}.warm"))
+    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    examples.compile_models_first("float32")
+    assert not (tmp_path / "demo-float32.warm").exists()
