@@ -6,14 +6,17 @@ kinds say which arguments are traced arrays and which are static (see :func:`spl
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ...api._common import OpSpec, all_specs
+from ...api._common import OpSpec, all_specs, spec_of
 from ...api._types import ARRAY_KINDS
 from .. import op_function
+from . import collective
 from ._ops import _is_jax_array, _is_tracer, register_op, run_op
 
 
@@ -83,8 +86,45 @@ def _capture_call(spec: OpSpec, capture: list, args: tuple[Any, ...], kwargs: di
     run_op(spec.name, arrays, static, capture)
 
 
+_AXIS_NAME_DOC = """
+    ``axis_name`` (this adapter only): the name of a mapped axis (``jax.shard_map``, ``jax.pmap``,
+    ``jax.vmap(..., axis_name=...)``) over which the batch is split; the statistics are then the
+    whole batch's, merged stably across it (:mod:`portable_nn.adapters.jax.collective`), the same
+    on every device, and gradients flow through the merge.  ``None`` (the default): this part's.
+"""
+
+
+def _with_axis_name(name: str, synced: Callable[..., Any],
+                    uses_batch: Callable[[dict[str, Any]], bool]) -> Callable[..., Any]:
+    """The generated op ``name`` with a keyword-only ``axis_name`` added (statistics across devices)."""
+    local = globals()[name]
+    spec = spec_of(name)
+    extra = inspect.Parameter("axis_name", inspect.Parameter.KEYWORD_ONLY, default=None)
+    signature = spec.signature.replace(parameters=[*spec.signature.parameters.values(), extra])
+
+    @functools.wraps(local)
+    def op(*args: Any, axis_name: Any = None, **kwargs: Any) -> Any:
+        if axis_name is None:
+            return local(*args, **kwargs)
+        try:
+            bound = spec.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{name}: {exc}") from None
+        bound.apply_defaults()
+        if not uses_batch(bound.arguments):  # running statistics: nothing to merge
+            return local(*args, **kwargs)
+        return synced(**bound.arguments, axis_name=axis_name)
+
+    op.__signature__ = signature  # type: ignore[attr-defined]
+    op.__doc__ = (local.__doc__ or "") + _AXIS_NAME_DOC
+    return op
+
+
 __all__: list[str] = []
 for _spec in all_specs():
     globals()[_spec.name] = _make(_spec)
     __all__.append(_spec.name)
 del _spec
+globals()["moments"] = _with_axis_name("moments", collective.synced_moments, lambda a: True)
+globals()["batch_norm"] = _with_axis_name(
+    "batch_norm", collective.synced_batch_norm, lambda a: bool(a["training"]) or a["running_mean"] is None)
