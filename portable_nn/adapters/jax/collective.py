@@ -21,11 +21,13 @@ values.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from typing import Any
 
-from ...api._common import spec_of
+from ...api._common import normalize_axes, normalize_axis, spec_of
 from ...api.activations import parse_activation
+from ...kernel_plans import momentum_update
 from ...reference import activations as reference_activations
 
 
@@ -73,23 +75,14 @@ def _stats_dtype(x: Any) -> Any:
     return jnp.float32 if x.dtype in (jnp.float16, jnp.bfloat16) else x.dtype
 
 
-def _reduced_axes(ndim: int, axis: Any) -> tuple[int, ...]:
-    if axis is None:
-        return tuple(range(ndim))
-    items = axis if isinstance(axis, (tuple, list)) else (axis,)
-    return tuple(sorted(int(a) % ndim for a in items))
-
-
 def synced_moments(x: Any, axis: Any, keepdims: bool, correction: float, axis_name: Any) -> tuple[Any, Any]:
     """``moments`` over ``axis`` of the whole batch mapped over ``axis_name`` (see the module)."""
     import jax.numpy as jnp
 
     _check_axis_name(axis_name)
     spec_of("moments").prepare(x, axis, keepdims=keepdims, correction=correction)  # the op's own checks
-    axes = _reduced_axes(x.ndim, axis)
-    count = 1
-    for a in axes:
-        count *= int(x.shape[a])
+    axes = normalize_axes(axis, x.ndim)
+    count = math.prod(int(x.shape[a]) for a in axes)
     mean, m2 = local_moments(x, axes, _stats_dtype(x))
     total, mean, m2 = merge_across(mean, m2, count, axis_name)
     var = m2 / (total - correction)
@@ -111,11 +104,9 @@ def synced_batch_norm(x: Any, weight: Any, bias: Any, running_mean: Any, running
                                   training=training, momentum=momentum, eps=eps, channel_axis=channel_axis,
                                   activation=activation, return_stats=return_stats)
     act = parse_activation(activation)
-    channel = int(channel_axis) % x.ndim
+    channel = normalize_axis(channel_axis, x.ndim, "channel_axis")
     axes = tuple(a for a in range(x.ndim) if a != channel)
-    count = 1
-    for a in axes:
-        count *= int(x.shape[a])
+    count = math.prod(int(x.shape[a]) for a in axes)
     mean, m2 = local_moments(x, axes, _stats_dtype(x))
     total, mean, m2 = merge_across(mean, m2, count, axis_name)
     var = m2 / jnp.maximum(total, 1)
@@ -132,8 +123,9 @@ def synced_batch_norm(x: Any, weight: Any, bias: Any, running_mean: Any, running
         return y
     new_mean = new_var = None
     if running_mean is not None:
-        batch_mean = jax.lax.stop_gradient(mean).reshape(-1)
-        unbiased = jax.lax.stop_gradient(m2).reshape(-1) / jnp.maximum(total - 1, 1).reshape(-1)
-        new_mean = ((1.0 - momentum) * running_mean + momentum * batch_mean).astype(running_mean.dtype)
-        new_var = ((1.0 - momentum) * running_var + momentum * unbiased).astype(running_var.dtype)
+        new_mean, new_var = momentum_update(
+            jnp, running_mean.astype(compute), running_var.astype(compute),
+            jax.lax.stop_gradient(mean).reshape(1, -1), jax.lax.stop_gradient(var).reshape(1, -1), momentum,
+            jax.lax.stop_gradient(total).reshape(-1))
+        new_mean, new_var = new_mean.astype(running_mean.dtype), new_var.astype(running_var.dtype)
     return y, new_mean, new_var
