@@ -187,11 +187,11 @@ def _variants(backend: str) -> list[Callable[[], Any]]:
 def _compile_op(op: str, dtypes: Sequence[str], backend: str) -> tuple[float, bool]:
     """(seconds, whether the backend took any call) of compiling ``op``'s kernels for ``dtypes``."""
     start = time.perf_counter()
+    calls = [call for dtype in dtypes if dtype != "bfloat16" for call in samples(dtype)[op]]
     ran = []
     for variant in _variants(backend):
         with variant():
-            ran += [_run(op, backend, args, kwargs) for dtype in dtypes if dtype != "bfloat16"
-                    for args, kwargs in samples(dtype)[op]]
+            ran += [_run(op, backend, args, kwargs) for args, kwargs in calls]
     return time.perf_counter() - start, any(ran)
 
 
