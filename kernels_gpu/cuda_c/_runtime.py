@@ -184,6 +184,12 @@ def vector_lanes(dtype: str) -> int:
     return VECTOR_LANES[ctype(dtype)]
 
 
+def whole_vectors(dtype: str, length: int, *arrays: Any) -> bool:
+    """Whether runs of ``length`` elements of ``dtype`` are whole 16-byte vectors and every array
+    (``None`` skipped) starts on a 16-byte boundary: what the kernels' vector paths need."""
+    return length % vector_lanes(dtype) == 0 and aligned(*arrays)
+
+
 def acc_dtype(dtype: str) -> str:
     """The NumPy/CuPy dtype name of the accumulation type of ``dtype``."""
     return TYPES[dtype][2]

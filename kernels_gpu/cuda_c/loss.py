@@ -46,7 +46,7 @@ def _shared(threads: int, dtype: str) -> int:
 def _rows_vec(dtype: str, classes: int, *arrays: Any) -> int:
     """1 when the rows kernels can read (and write) their rows in 16-byte vectors: rows of whole
     vectors, arrays 16-byte aligned."""
-    return int(VECTOR_ROWS and classes % rt.vector_lanes(dtype) == 0 and rt.aligned(*arrays))
+    return int(VECTOR_ROWS and rt.whole_vectors(dtype, classes, *arrays))
 
 
 def _softmax_launch(kind: str, dtype: str, arrays: list, outer: int, classes: int, inner: int) -> None:

@@ -174,7 +174,7 @@ _plans: dict[tuple, NormPlan] = {}
 def plan_of(call: Any) -> NormPlan:
     """The plan of a norm call (remembered per geometry and settings)."""
     shape = tuple(int(v) for v in call.x.shape)
-    lanes = _lanes(call.dtype) if VECTOR_APPLY else 1
+    lanes = rt.vector_lanes(call.dtype) if VECTOR_APPLY else 1
     key = (call.kind, shape, len(call.axes), call.layout, call.params.get("num_groups"), lanes,
            COLUMN_MODE_BELOW, TARGET_BLOCKS, SPLIT_MIN_ELEMENTS, COLUMN_BLOCK)
     plan = _plans.get(key)
@@ -196,12 +196,12 @@ def _types(call: Any) -> tuple[str, str]:
 
 def _apply_vec(call: Any, plan: NormPlan, *arrays: Any) -> int:
     """1 when the elementwise kernels can take 16-byte vectors (rows of whole vectors, aligned arrays)."""
-    return int(VECTOR_APPLY and plan.width % _lanes(call.dtype) == 0 and rt.aligned(*arrays))
+    return int(VECTOR_APPLY and rt.whole_vectors(call.dtype, plan.width, *arrays))
 
 
 def _group_vec(call: Any, plan: NormPlan, *arrays: Any) -> int:
     """1 when the row-mode kernels can walk groups in 16-byte vectors (runs of whole vectors, aligned)."""
-    return int(VECTOR_APPLY and plan.qq % _lanes(call.dtype) == 0 and rt.aligned(*arrays))
+    return int(VECTOR_APPLY and rt.whole_vectors(call.dtype, plan.qq, *arrays))
 
 
 def _apply_grid(plan: NormPlan, vec: int = 0, dtype: str = "float32") -> tuple[int, int]:
@@ -209,7 +209,7 @@ def _apply_grid(plan: NormPlan, vec: int = 0, dtype: str = "float32") -> tuple[i
     the rows.  Rows narrower than a block share one (the kernel's elementwise_walk); at most about
     APPLY_TARGET_BLOCKS blocks, so each thread walks several rows and its setup (channels,
     parameters) is paid once for them."""
-    nvec = rt.blocks(plan.width, _lanes(dtype) if vec else 1)
+    nvec = rt.blocks(plan.width, rt.vector_lanes(dtype) if vec else 1)
     rows = max(plan.nn * plan.pp, 1)
     columns = rt.blocks(nvec, APPLY_BLOCK)
     rows_per_block = max(1, APPLY_BLOCK // max(nvec, 1))
@@ -258,7 +258,7 @@ def _rows_threads(call: Any, plan: NormPlan, kernel: str, vecs: int, *arrays: An
     if not ROWS_PATH or plan.column or plan.splits != 1 or plan.pp != 1 or plan.cc != 1 or plan.ss != 1:
         return None
     n = plan.qq
-    width = _lanes(call.dtype)
+    width = rt.vector_lanes(call.dtype)
     if plan.cg != n or n == 0 or n % width or n > 1024 * width * vecs or not rt.aligned(*arrays):
         return None
     nvec = n // width
@@ -266,10 +266,6 @@ def _rows_threads(call: Any, plan: NormPlan, kernel: str, vecs: int, *arrays: An
     if threads > rt.max_threads(FAMILY, f"{kernel}<{', '.join(_types(call))}>") // 32 * 32:
         return None
     return threads, rt.blocks(nvec, threads)
-
-
-def _lanes(dtype: str) -> int:
-    return rt.vector_lanes(dtype)
 
 
 def _rows_shared(acc: str) -> int:
