@@ -72,6 +72,15 @@ template <class T, class A> __device__ __forceinline__ int row_values(const T* x
     return 1;
 }
 
+// Store ``v`` at yr[c] (V values with `vec`, else one): row_values' counterpart.
+template <class T, class A> __device__ __forceinline__ void row_store(T* yr, long long c, int vec, const A* v) {
+    if (vec) {
+        store_vec<vec_width<T>::value>(yr + c, v);
+    } else {
+        yr[c] = from_acc<T>(v[0]);
+    }
+}
+
 // The log-sum-exp of row r (C contiguous values) by the whole block, as its two parts: the max m
 // and log Σ exp(x − m).  Outputs are formed as (x − m) − log Σ: x − m is exact near the max, so a
 // large common offset costs no digits (x − (m + log Σ) lost 4e-5 relative at offset 1000, H200).
@@ -100,11 +109,7 @@ __global__ void lsm_rows_fwd(const T* x, T* y, long long rows, long long C, int 
             A v[vec_width<T>::value];
             const int n = row_values(xr, c, vec, v);
             for (int k = 0; k < n; ++k) v[k] = (v[k] - m) - logs;
-            if (vec) {
-                store_vec<vec_width<T>::value>(y + r * C + c, v);
-            } else {
-                y[r * C + c] = from_acc<T>(v[0]);
-            }
+            row_store(y + r * C, c, vec, v);
         }
     }
 }
@@ -149,11 +154,7 @@ __global__ void lsm_rows_bwd(const T* y, const T* dy, T* dx, long long rows, lon
             const int n = row_values(dyr, c, vec, g);
             row_values(yr, c, vec, v);
             for (int k = 0; k < n; ++k) g[k] -= pnn_exp(v[k]) * s;
-            if (vec) {
-                store_vec<vec_width<T>::value>(dx + r * C + c, g);
-            } else {
-                dx[r * C + c] = from_acc<T>(g[0]);
-            }
+            row_store(dx + r * C, c, vec, g);
         }
     }
 }
