@@ -191,7 +191,7 @@ def parallel_gemm(ta, tb, m, n, kk, a, a_off, lda, b, b_off, ldb, beta, c, c_off
     """
     ldc = n if ldc is None else ldc
     dt = c.dtype.type
-    if m * n * kk < MIN_PARALLEL_MACS:
+    if m * n * kk < MIN_PARALLEL_MACS and not _runtime.every_variant_active():
         _gemm_serial(1, True, ta, tb, m, n, kk, dt(1.0), a, a_off, lda, b, b_off, ldb, dt(beta), c, c_off, ldc)
         return
     if m * n <= K_SPLIT_MAX_OUTPUT and kk >= 2 * K_PART and ldc == n:

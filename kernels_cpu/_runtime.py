@@ -326,6 +326,12 @@ def every_variant() -> Iterator[None]:
         _every_variant = saved
 
 
+def every_variant_active() -> bool:
+    """Whether :func:`every_variant` is on: size-based choices made before :func:`run_sized`
+    (a blocked path, a partitioned one) then take their large-call branch too."""
+    return _every_variant
+
+
 def run_sized(parallel_kernel, serial_kernel, parallel: bool, *args) -> None:
     """Run the parallel kernel when ``parallel`` and more than one thread may run, else the serial one.
 

@@ -262,7 +262,7 @@ def dense_forward(call):
     y2 = _runtime.empty((m, n_out), dtype)
     z2 = _runtime.empty((m, n_out), dtype) if keep_z else y2
     macs = m * n_in * n_out
-    if macs <= SERIAL_MAX_MACS:
+    if macs <= SERIAL_MAX_MACS and not _runtime.every_variant_active():
         _forward_serial(x2, w, b, y2, z2, keep_z, code, slope)
     else:
         parts = _parts(macs, m)
@@ -292,7 +292,7 @@ def dense_backward(residuals, cotangents, needs, out=None):
     dx2 = dx.reshape(m, n_in) if need_x else np.empty((0, n_in), dtype)
     dw = _target(out, "weight", w.shape, dtype) if need_w else np.empty((0, n_in), dtype)
     macs = m * n_in * n_out
-    if macs <= SERIAL_MAX_MACS:
+    if macs <= SERIAL_MAX_MACS and not _runtime.every_variant_active():
         db = np.zeros(n_out)
         g = np.empty((m, n_out) if code else (0, n_out), dtype)
         _backward_serial(x2, w, dy2, k2, g, dx2, dw, db, code, slope, from_output, need_x, need_w)

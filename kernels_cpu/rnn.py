@@ -429,7 +429,7 @@ def _forward_direction(code, x, w_ih, w_a, w_b, b_i, b_n, beta, lengths, reverse
     width = gi.shape[2]
     np.dot(x.reshape(steps * n_rows, features), w_ih.T, gi.reshape(steps * n_rows, width))
     _forward_rows(code, w_a, w_b, b_i, b_n, beta, lengths, reverse, save, h, c, y, col, gi, gh, gates, hprev, cprev,
-                  extra, w_hr, hf, hq, 0, n_rows)
+                  extra, w_hr, hf, hq, np.int64(0), n_rows)  # typed 0: a literal 0 compiled a second _forward_rows
 
 
 @njit(parallel=True, **_OPTS)
@@ -737,7 +737,7 @@ def _backward_direction(code, x, w_ih, w_a, w_b, gates, hprev, cprev, extra, len
     steps, n_rows, features = x.shape
     hs = dh.shape[1]
     _backward_rows(code, w_a, w_b, gates, hprev, cprev, extra, lengths, reverse, dy, col, has_dy, dh, dc,
-                   want_state, da, db, dh2, tmp, acc_a, acc_b, want_w, w_hr, dhf, dproj, 0, n_rows)
+                   want_state, da, db, dh2, tmp, acc_a, acc_b, want_w, w_hr, dhf, dproj, np.int64(0), n_rows)
 
     m = steps * n_rows
     x2 = x.reshape(m, features)
@@ -911,6 +911,8 @@ BLOCKED_MIN_MACS = 1 << 22
 
 def _block_rows(code, steps, n, features, hs):
     """Rows per block of the blocked path, or 0 for the unblocked one (see BLOCK_ROWS)."""
+    if _runtime.every_variant_active() and n >= 2:  # the ahead-of-time compile's small samples
+        return -(-n // 2)
     blocks = max(1, (n + BLOCK_ROWS // 2) // BLOCK_ROWS)
     macs = steps * n * GATES[code] * hs * (features + hs)
     if blocks < 2 and n >= 2 * MIN_BLOCK_ROWS and macs >= 4 * BLOCKED_MIN_MACS:
