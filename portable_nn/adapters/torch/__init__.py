@@ -48,6 +48,10 @@ GRU ``reset_after=``).  Arguments we cannot honour raise
 ``NotImplementedError`` naming them.  Bad inputs raise what the ``torch.nn`` twin raises
 (``ValueError``, or an error that is both ``ValueError``/``TypeError`` and ``RuntimeError`` where
 the twin raises ``RuntimeError``: :mod:`portable_nn.adapters.torch.errors`).
+
+:class:`SyncBatchNorm` (with ``convert_sync_batchnorm``) normalises with the statistics of a
+data-parallel job's whole batch, merged across the ``torch.distributed`` process group, on CPU
+(``gloo``) as well as CUDA (``nccl``) tensors: :mod:`portable_nn.adapters.torch.distributed`.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ from . import (
 )
 from ._ops import saved_pullbacks
 from .cells import CrossEntropyLoss, GRUCell, LSTMCell, RNNCell
+from .distributed import SyncBatchNorm
 from .errors import InputTypeError, InputValueError
 from .functional import *  # noqa: F403  (one function per portable_nn op, generated from its description)
 from .modules import (
@@ -133,6 +138,7 @@ __all__ = [
     "MaxUnpool3d",
     "RMSNorm",
     "RNNCell",
+    "SyncBatchNorm",
     "merge_moments",
     "saved_pullbacks",
 ]

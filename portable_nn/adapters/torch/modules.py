@@ -131,13 +131,21 @@ class GroupNorm(nn.GroupNorm):
         return super().extra_repr() + _fused_repr(self)
 
 
-def _batch_norm_forward(module: Any, input: Tensor) -> Tensor:
-    """``torch.nn``'s batch-norm module semantics (momentum, cumulative averages, eval) on our kernel."""
-    module._check_input_dim(input)
+def momentum_factor(module: Any) -> float:
+    """The weight of this batch's statistics in the running ones, counting the batch in
+    ``num_batches_tracked`` when training (``torch.nn``'s rule: ``momentum``, or ``1 / batches``
+    for a cumulative average when it is ``None``)."""
     factor = 0.0 if module.momentum is None else module.momentum
     if module.training and module.track_running_stats and module.num_batches_tracked is not None:
         module.num_batches_tracked.add_(1)
         factor = 1.0 / float(module.num_batches_tracked) if module.momentum is None else module.momentum
+    return factor
+
+
+def _batch_norm_forward(module: Any, input: Tensor) -> Tensor:
+    """``torch.nn``'s batch-norm module semantics (momentum, cumulative averages, eval) on our kernel."""
+    module._check_input_dim(input)
+    factor = momentum_factor(module)
     use_batch = module.training or (module.running_mean is None and module.running_var is None)
     keep = not module.training or module.track_running_stats
     return batch_norm(
