@@ -128,8 +128,14 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             shape[ctx.channel] = c
             offset = (scale * sum_g).reshape(shape)
             slope = (scale * rstd * sum_gxh).reshape(shape)
-            correction = torch.addcmul(offset, x.to(mean.dtype) - mean.reshape(shape), slope)
-            dx = (grads.x.to(mean.dtype) - correction).to(x.dtype)
+            # x − mean first (exact enough at any offset), then in place: one buffer, not three.
+            correction = x.to(mean.dtype) - mean.reshape(shape)
+            torch.addcmul(offset, correction, slope, out=correction)
+            dx = grads.x
+            if dx.dtype == mean.dtype:
+                dx.sub_(correction)
+            else:
+                dx = (dx.to(mean.dtype) - correction).to(x.dtype)
         has_weight, has_bias = ctx.has_params
         dweight = grads.weight if has_weight and ctx.needs_input_grad[1] else None
         dbias = grads.bias if has_bias and ctx.needs_input_grad[2] else None
