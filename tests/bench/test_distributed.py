@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from portable_nn.bench import distributed  # noqa: E402
+from portable_nn.bench import distributed
 
 
 def test_measure_times_every_contender(capsys):
