@@ -195,9 +195,10 @@ def compile_models_first(dtype: str) -> None:
     """On a new machine (no marker in the Numba kernel cache), compile the models' CPU kernels
     before training, one op family per process, as many at once as there are CPUs: training then
     loads them.  On two cores ``demo --quick --compare none`` took 89 s from an empty cache with
-    the kernels compiled as training met them, and 60 s with this (50 s of it compiling); the
-    pooling, norm and convolution families take 17-29 s each, so more cores bring it nearer 30 s.
-    Skipped on one CPU, or where the cache cannot be written."""
+    the kernels compiled as training met them, 60 s with this; with the kernels' compile time cut
+    since, 46 s (45 s compiling: six families of 5-26 s each, the slowest first), so more cores
+    bring it nearer the recurrent family's 26 s.  Skipped on one CPU, or where the cache cannot be
+    written."""
     import os
 
     import kernels_cpu

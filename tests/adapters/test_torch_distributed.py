@@ -79,7 +79,7 @@ def test_float32_with_a_large_offset_keeps_its_variance(ranks):
     for r in ranks:
         assert int(r["offset"]["count"]) == 64 * 64
         torch.testing.assert_close(r["offset"]["var"].double(), var, rtol=1e-3, atol=0)
-        assert ((r["offset"]["naive_var"].double() - var).abs() / var).max() > 0.1
+        assert ((r["offset"]["naive_var"].double() - var).abs() / var).min() > 0.5  # every channel
 
 
 def test_ddp_training_matches_one_process():
