@@ -104,6 +104,7 @@ def compile_kernels(
     progress: bool | None = None,
     jobs: int = 1,
     quiet: bool = False,
+    runner: Callable[[Sequence[str], Sequence[str], str], list[tuple[str, float, bool]]] | None = None,
 ) -> dict[str, float]:
     """Compile (or load from the cache) ``backend``'s kernels of ``ops`` for ``dtypes``.
 
@@ -117,6 +118,11 @@ def compile_kernels(
             whole op families (the ops of one kernel module), so no two compile the same kernel
             or write the same cache index.
         quiet: no line per op where there is no progress bar.
+        runner: what compiles one op family, ``runner(ops, dtypes, backend)`` returning
+            ``(op, seconds, ran)`` per op; a picklable module-level function when ``jobs > 1``.
+            By default each op's sample calls (:func:`samples`), as they are and under the
+            backend's ``compile_variants``; a program may instead run its own calls, so that only
+            what it uses compiles (the demo does).
 
     Returns:
         Seconds spent per op (compilation, or loading an already-filled cache), in the process
@@ -152,8 +158,13 @@ def compile_kernels(
             print(f"{op}: {what} in {seconds:.1f} s", flush=True)
 
     families = _families(chosen)
+    job = runner or _compile_family
     if jobs > 1 and len(families) > 1:
-        _compile_in_processes(families, dtypes, backend, min(jobs, len(families)), bar, report)
+        _compile_in_processes(families, dtypes, backend, min(jobs, len(families)), bar, report, job)
+    elif runner is not None:
+        for family in families:
+            for op, seconds, ran in runner(family, dtypes, backend):
+                report(op, seconds, ran)
     else:
         for op in chosen:
             if bar is not None:
@@ -213,7 +224,7 @@ _FAMILY_SECONDS = {"rnn": 26.0, "norm": 22.0, "conv": 18.0, "pool": 18.0, "loss"
 
 
 def _compile_in_processes(families: list[list[str]], dtypes: Sequence[str], backend: str, jobs: int, bar: Any,
-                          report: Callable[[str, float, bool], None]) -> None:
+                          report: Callable[[str, float, bool], None], job: Callable[..., Any]) -> None:
     """Each family in a fresh process (spawned: Numba's and TBB's threads do not survive a fork),
     ``jobs`` at a time, the slowest to compile first (see _FAMILY_SECONDS)."""
     import multiprocessing
@@ -224,7 +235,7 @@ def _compile_in_processes(families: list[list[str]], dtypes: Sequence[str], back
         bar.set_description(f"compiling in {jobs} processes")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
                              initializer=_quiet_worker) as pool:
-        pending = [pool.submit(_compile_family, family, tuple(dtypes), backend) for family in ordered]
+        pending = [pool.submit(job, family, tuple(dtypes), backend) for family in ordered]
         for future in as_completed(pending):
             for op, seconds, ran in future.result():
                 report(op, seconds, ran)

@@ -114,6 +114,22 @@ def test_compile_builds_families_in_parallel_processes(tmp_path):
     assert "portable_nn: compiling" not in second.stderr
 
 
+def test_compile_runs_a_program_s_own_runner_per_family():
+    """A runner (the demo's: its models' own calls) replaces the samples, one call per op family."""
+    from portable_nn import warmup
+
+    seen = []
+
+    def runner(ops, dtypes, backend):
+        seen.append((list(ops), tuple(dtypes), backend))
+        return [(op, 0.5, True) for op in ops]
+
+    timings = warmup.compile_kernels(["layer_norm", "dense", "batch_norm"], ["float64"], "numba", quiet=True,
+                                     runner=runner)
+    assert seen == [(["layer_norm", "batch_norm"], ("float64",), "numba"), (["dense"], ("float64",), "numba")]
+    assert timings == {"layer_norm": 0.5, "batch_norm": 0.5, "dense": 0.5}
+
+
 def test_compile_refuses_a_bad_job_count():
     out = _run("-m", "portable_nn", "compile", "--ops", "log_softmax", "--jobs", "0")
     assert out.returncode == 2 and "jobs must be a positive int, got 0" in out.stderr

@@ -167,7 +167,8 @@ def run_demo(args: argparse.Namespace) -> int:
     with training.single_threaded_blas() as blas_note:
         print(format_header(digits, cfg, backend, args.backend == "auto", others, status, blas_note, args.quick))
         if backend == "numba" or "numba" in others:
-            compile_models_first(str(digits.x_train.dtype))
+            compile_models_first(str(digits.x_train.dtype), cfg.batch_size,
+                                 QUICK_TRAIN_IMAGES if args.quick else None)
         outcomes = _train_both(digits, cfg, backend, verbose=True)
         if others:
             what = "full training" if args.compare == "full" else "one epoch"
@@ -191,14 +192,17 @@ def run_demo(args: argparse.Namespace) -> int:
     return exit_status(outcomes, settings)
 
 
-def compile_models_first(dtype: str) -> None:
+def compile_models_first(dtype: str, batch_size: int, train_images: int | None) -> None:
     """On a new machine (no marker in the Numba kernel cache), compile the models' CPU kernels
     before training, one op family per process, as many at once as there are CPUs: training then
-    loads them.  On two cores ``demo --quick --compare none`` took 89 s from an empty cache with
-    the kernels compiled as training met them, 60 s with this; with the kernels' compile time cut
-    since, 46 s (45 s compiling: six families of 5-26 s each, the slowest first), so more cores
-    bring it nearer the recurrent family's 26 s.  Skipped on one CPU, or where the cache cannot be
-    written."""
+    loads them.  Each process runs the models' own calls at the run's sizes with its family on
+    Numba and the other ops on the reference (:func:`~portable_nn.examples.train.exercise`), so
+    exactly the kernels training meets compile, no generic variants.  On two cores
+    ``demo --quick --compare none`` from an empty cache: 89 s with the kernels compiled as training
+    met them, 60 s compiling the generic samples first, 46 s after the kernels' compile time was
+    cut, 34 s with the models' own calls (six families of 4-21 s each, the slowest first).
+    Skipped on one CPU, or where the cache cannot be written."""
+    import functools
     import os
 
     import kernels_cpu
@@ -206,12 +210,15 @@ def compile_models_first(dtype: str) -> None:
     from .. import kernel_cache, warmup
 
     jobs = min(os.cpu_count() or 1, len({pnn.dispatch.op_family(op) for op in model_ops}))
-    marker = kernel_cache.warm_marker(kernels_cpu.__file__, f"demo-{dtype}")
+    # The sizes decide which paths run (serial or parallel, blocked or not): a run of other sizes
+    # compiles again (loading what is cached already).
+    marker = kernel_cache.warm_marker(kernels_cpu.__file__, f"demo-{dtype}-b{batch_size}-n{train_images or 'all'}")
     if jobs < 2 or marker is None or os.path.exists(marker):
         return
     print(f"compiling the models' kernels in {jobs} processes (first use only) …", flush=True)
     started = time.perf_counter()
-    warmup.compile_kernels(model_ops, [dtype], "numba", jobs=jobs, quiet=True)
+    runner = functools.partial(training.exercise, batch_size=batch_size, train_images=train_images)
+    warmup.compile_kernels(model_ops, [dtype], "numba", jobs=jobs, quiet=True, runner=runner)
     with open(marker, "w", encoding="utf-8") as fh:
         fh.write(f"{', '.join(model_ops)}\n")
     print(f"          compiled in {time.perf_counter() - started:.1f} s", flush=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -23,7 +23,7 @@ from .models import MODELS, Model
 from .optim import cosine_lr, make_optimizer
 from .progress import Progress
 
-__all__ = ["EpochStats", "RunStats", "TrainConfig", "accuracy", "single_threaded_blas", "train"]
+__all__ = ["EpochStats", "RunStats", "TrainConfig", "accuracy", "exercise", "single_threaded_blas", "train"]
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,36 @@ def _first_step(model: Model, cfg: TrainConfig, x: Any, y: Any) -> float:
     _step(scratch, optimizer, x[:n], y[:n], optimizer.lr)
     accuracy(scratch, x[:n], y[:n])
     return time.perf_counter() - start
+
+
+def exercise(ops: Sequence[str], dtypes: Sequence[str], backend: str, *, batch_size: int,
+             train_images: int | None) -> list[tuple[str, float, bool]]:
+    """Compile ``backend``'s kernels of ``ops`` exactly as training the demo's models meets them.
+
+    Both models take one training step on a full batch and one on the epoch's last, partial batch,
+    then evaluate the held-out images, with ``ops`` on ``backend`` and every other op on the
+    reference: the calls, shapes and sizes (so the serial or parallel paths) are training's,
+    and only ``ops``' kernels compile — a :func:`portable_nn.warmup.compile_kernels` runner, one
+    op family per process.  Returns ``(op, seconds, ran)`` per op (the family's time on its first op).
+    """
+    from . import data as data_module
+
+    start = time.perf_counter()
+    for dtype in dtypes:
+        digits = data_module.load(np.dtype(dtype))
+        if train_images is not None:
+            digits = digits.subset(train_images)
+        n = int(digits.y_train.shape[0])
+        sizes = {min(batch_size, n), n % batch_size or min(batch_size, n)}
+        with pnn.use_backend("reference", **dict.fromkeys(ops, backend)):
+            for name, cls in MODELS.items():
+                model = cls.init(model_rng(0, name), digits.x_train.dtype)
+                optimizer = make_optimizer("adam", list(model.params.values()), None)
+                for size in sorted(sizes):
+                    _step(model, optimizer, digits.x_train[:size], digits.y_train[:size], optimizer.lr)
+                accuracy(model, digits.x_test, digits.y_test)
+    seconds = time.perf_counter() - start
+    return [(op, seconds if i == 0 else 0.0, True) for i, op in enumerate(ops)]
 
 
 def train(model_name: str, data: Digits, cfg: TrainConfig, backend: str, xp: Any = np,

@@ -393,13 +393,38 @@ def test_the_demo_compiles_the_models_kernels_once(monkeypatch, tmp_path, capsys
     monkeypatch.setattr(warmup, "compile_kernels", lambda *a, **k: calls.append((a, k)) or {})
     monkeypatch.setattr(kernel_cache, "warm_marker", lambda py_file, name: str(tmp_path / f"{name}.warm"))
     monkeypatch.setattr("os.cpu_count", lambda: 4)
-    examples.compile_models_first("float32")
-    examples.compile_models_first("float32")
+    examples.compile_models_first("float32", 32, 512)
+    examples.compile_models_first("float32", 32, 512)
     assert len(calls) == 1
     (ops, dtypes, backend), options = calls[0]
     assert ops == models.OPS and dtypes == ["float32"] and backend == "numba" and options["jobs"] == 4
-    assert (tmp_path / "demo-float32.warm").exists()
+    # The models' own calls compile, at the run's sizes (not the generic samples).
+    runner = options["runner"]
+    assert runner.func is train.exercise and runner.keywords == {"batch_size": 32, "train_images": 512}
+    assert (tmp_path / "demo-float32-b32-n512.warm").exists()
     assert "compiling the models' kernels in 4 processes (first use only)" in capsys.readouterr().out
+    examples.compile_models_first("float32", 32, None)  # other sizes may reach other paths
+    assert len(calls) == 2
+
+
+def test_exercise_runs_both_models_with_the_given_ops_on_the_backend(monkeypatch):
+    """Every op of the family runs on the backend asked for, every other op on the reference."""
+    from portable_nn import dispatch
+
+    seen = []
+    original = dispatch.run
+
+    def spy(call, *args, **kwargs):
+        executed = original(call, *args, **kwargs)
+        seen.append((call.op, executed.impl.backend))
+        return executed
+
+    monkeypatch.setattr(dispatch, "run", spy)
+    result = train.exercise(["dense", "cross_entropy"], ["float64"], "numba", batch_size=8, train_images=20)
+    assert [op for op, _, ran in result if ran] == ["dense", "cross_entropy"] and result[0][1] > 0
+    assert {backend for op, backend in seen if op in ("dense", "cross_entropy")} == {"numba"}
+    assert {backend for op, backend in seen if op not in ("dense", "cross_entropy")} == {"reference"}
+    assert {op for op, _ in seen} >= set(models.OPS)
 
 
 def test_the_demo_compiles_nothing_first_on_one_cpu(monkeypatch, tmp_path):
@@ -408,5 +433,5 @@ def test_the_demo_compiles_nothing_first_on_one_cpu(monkeypatch, tmp_path):
     monkeypatch.setattr(warmup, "compile_kernels", lambda *a, **k: pytest.fail("compiled on one CPU"))
     monkeypatch.setattr(kernel_cache, "warm_marker", lambda py_file, name: str(tmp_path / f"{name}.warm"))
     monkeypatch.setattr("os.cpu_count", lambda: 1)
-    examples.compile_models_first("float32")
-    assert not (tmp_path / "demo-float32.warm").exists()
+    examples.compile_models_first("float32", 32, None)
+    assert not list(tmp_path.iterdir())
