@@ -22,6 +22,11 @@ _FAMILY_CHECKS = (
     ("dask", aac.is_dask_array),
 )
 
+#: Array families whose arrays are collections of chunks of another library's arrays, and the route
+#: (``"module:attr"``, imported by dispatch on the first call that holds such an array) that runs an
+#: op chunk by chunk through the kernels of the chunks' library (see ``dispatch._chunked_route``).
+CHUNKED_ROUTES = {"dask": "portable_nn.adapters.dask:ROUTE"}
+
 
 # Whether a value is an array, and of which library, depends on its type only; both are asked
 # several times per argument per call (~20 times for a batch_norm on torch tensors), so the answers

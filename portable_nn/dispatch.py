@@ -723,11 +723,24 @@ def select(call: Call, need_backward: bool = False, report: bool = True) -> Sele
     depends only on the call's signature (op, requested backend, family, device, dtype, layout,
     mixed precision, backward needed: no ``Support.check`` predicate consulted) is remembered,
     so hot loops of small calls do not re-run the candidate checks.
+
+    Arrays made of chunks of another library's arrays (Dask's) first go to their family's chunked
+    route (:func:`_chunked_route`): it runs the op chunk by chunk through the selected kernels, or
+    declines (under ``auto`` the whole array then takes the selection below, reported as a
+    fallback), or leaves the call alone (the reference forced).
     """
+    route_declined: tuple[str, str] | None = None
+    route = _chunked_route(call)
+    if route is not None:
+        routed = route.select(call, need_backward)
+        if isinstance(routed, Selection):
+            return routed
+        route_declined = routed
     requested, source = config.get_backend(call.op)
     key = (call.op, requested, call.family, call.device, call.dtype, call.layout,
            bool(call.params.get("mixed_precision")), need_backward)
-    known = _choices.get(key)
+    # A declined route's reason is this call's own (its chunks, its dtype): such choices are not remembered.
+    known = _choices.get(key) if route_declined is None else None
     if known is not None:
         impl, passed, declined = known
         if declined and report:
@@ -739,22 +752,40 @@ def select(call: Call, need_backward: bool = False, report: bool = True) -> Sele
         if selection.impl.supports.check is None:
             _choices[key] = (selection.impl, (), ())
         return selection
-    passed: list[tuple[str, str]] = []
-    declined: list[tuple[str, str]] = []  # kernels made for these arrays that refused the call
+    passed: list[tuple[str, str]] = [route_declined] if route_declined else []
+    declined: list[tuple[str, str]] = list(passed)  # kernels made for these arrays that refused the call
     for k, impl in enumerate(impls):
         reason, targeted = _candidate_reason(impl, call, need_backward)
         if reason is None:
             if declined and report:
                 _report_fallback(call, impl, declined)
-            if all(i.supports.check is None for i in impls[: k + 1]):
+            if route_declined is None and all(i.supports.check is None for i in impls[: k + 1]):
                 _choices[key] = (impl, tuple(passed), tuple(declined))
             return Selection(impl, requested, source, _copies_needed(impl, call), passed, bool(declined))
-        passed.append((impl.backend, reason))
+        if route_declined is None or impl.backend != route_declined[0]:  # the route said more about it
+            passed.append((impl.backend, reason))
         if targeted:
             declined.append((impl.backend, reason))
     raise BackendUnavailableError(  # pragma: no cover - the reference accepts every call
         f"no implementation of {call.op} accepts {call!r}"
     )
+
+
+def _chunked_route(call: Call) -> Any:
+    """The chunked route of ``call``'s array family when it routes ``call.op``, else ``None``.
+
+    A route (``_arrays.CHUNKED_ROUTES``: family -> ``"module:attr"``, imported on first use, when
+    the caller already holds such arrays) has ``ops``, the op names it routes, and
+    ``select(call, need_backward)`` returning a :class:`Selection` (the route runs), a
+    ``(backend, reason)`` pair (it declines under ``auto``: the ordinary selection follows, with
+    this entry passed over as a fallback) or ``None`` (not its call: the reference was forced).
+    A forced backend the route cannot run raises :class:`BackendUnavailableError` there.
+    """
+    target = _arrays.CHUNKED_ROUTES.get(call.family)
+    if target is None:
+        return None
+    route = _resolve(target)
+    return route if call.op in route.ops else None
 
 
 def _select_forced(

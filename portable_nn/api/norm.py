@@ -248,7 +248,11 @@ def moments(x: Array, axis: Axes | None = None, *, keepdims: bool = False, corre
         ``reference`` (every array library, device and floating dtype); ``numba``
         (NumPy and CPU torch, float32/float64, any axes without a transpose);
         ``cupy`` and ``numba_cuda`` (CuPy and CUDA torch, float16/bfloat16 with
-        float32 statistics, float32, float64).  ``pnn.explain`` reports which
+        float32 statistics, float32, float64).  Dask arrays run chunk by chunk
+        (lazily): each chunk's moments on its library's kernel, the partial
+        statistics merged with :func:`merge_moments` in a Dask tree reduction;
+        ``vjp``, dtypes no kernel takes and ``use_backend("reference")`` run the
+        reference on the whole Dask array.  ``pnn.explain`` reports which
         implementation a call runs.
     """
     check_array(x, "x")
@@ -436,8 +440,14 @@ def batch_norm(
         zero-copy, float32 and float64; channels first or last, other channel axes run
         on the reference); GPU kernels (``cupy``: CUDA C compiled through CuPy's
         ``RawModule``; ``numba_cuda``) for CuPy arrays and CUDA torch tensors, where
-        ``pnn.capabilities()`` lists them.  ``pnn.explain`` reports which one a call
-        runs and why the others were passed over.
+        ``pnn.capabilities()`` lists them.  Dask arrays run chunk by chunk (lazily):
+        the batch statistics from each chunk's ``moments`` merged with
+        :func:`merge_moments`, then each chunk normalised by the kernel's inference
+        form with them; running statistics (Dask arrays too) come back as lazy Dask
+        arrays with ``return_stats=True``, else are assigned in place lazily (Dask's
+        item assignment); ``vjp`` and ``use_backend("reference")`` run the reference
+        on the whole Dask array.  ``pnn.explain`` reports which one a call runs and
+        why the others were passed over.
     """
     return _prepare_running_norm(
         "batch_norm", x, weight, bias, running_mean, running_var, channel_axis=channel_axis, eps=eps,
