@@ -200,7 +200,7 @@ def compile_models_first(dtype: str, batch_size: int, train_images: int | None) 
     exactly the kernels training meets compile, no generic variants.  On two cores
     ``demo --quick --compare none`` from an empty cache: 89 s with the kernels compiled as training
     met them, 60 s compiling the generic samples first, 46 s after the kernels' compile time was
-    cut, 34 s with the models' own calls (six families of 4-21 s each, the slowest first).
+    cut, 34-38 s with the models' own calls (six families of 4-21 s each, the slowest first).
     Skipped on one CPU, or where the cache cannot be written."""
     import functools
     import os
