@@ -15,7 +15,19 @@ from torch import nn
 
 WORLD = 2
 #: Per-rank batch sizes of each scenario (uneven, and one rank with nothing).
-SPLITS = {"uneven": (3, 5), "empty": (0, 8), "relu_last": (5, 3), "cumulative": (2, 4)}
+SPLITS = {"uneven": (3, 5), "empty": (0, 8), "relu_last": (5, 3), "cumulative": (2, 4), "no_affine": (4, 1),
+          "no_bias": (1, 6)}
+#: Each scenario's module options (torch.nn.BatchNorm2d's, plus ours for relu_last).
+OPTIONS = {"uneven": {}, "empty": {}, "relu_last": {"activation": "relu", "channel_axis": -1},
+           "cumulative": {"momentum": None}, "no_affine": {"affine": False, "track_running_stats": False},
+           "no_bias": {"bias": False}}
+#: Steps (forward calls) per scenario: the cumulative average needs two.
+STEPS = {"cumulative": 2}
+
+
+def torch_options(name: str) -> dict[str, object]:
+    """The scenario's options that torch.nn.BatchNorm2d takes too."""
+    return {k: v for k, v in OPTIONS[name].items() if k not in ("activation", "channel_axis")}
 
 
 def batch(name: str, channels_last: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,28 +49,42 @@ def part(whole: torch.Tensor, split: tuple[int, ...], rank: int) -> torch.Tensor
     return whole[start : start + split[rank]]
 
 
+def set_parameters(module: nn.Module, name: str) -> None:
+    """The scenario's weight and bias, where the module has them."""
+    w, b = parameters(name)
+    with torch.no_grad():
+        if module.weight is not None:
+            module.weight.copy_(w)
+        if module.bias is not None:
+            module.bias.copy_(b)
+
+
+def observed(module: nn.Module, y: torch.Tensor, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What a scenario compares: output, input gradient, and the parameters' gradients and the
+    running statistics where the module has them."""
+    seen = {"y": y.detach(), "dx": x.grad}
+    for key, value in (("dweight", module.weight), ("dbias", module.bias)):
+        if value is not None:
+            seen[key] = value.grad
+    for key in ("running_mean", "running_var", "num_batches_tracked"):
+        value = getattr(module, key)
+        if value is not None:
+            seen[key] = value.clone()
+    return seen
+
+
 def _norm_scenario(name: str, rank: int) -> dict[str, torch.Tensor]:
     from portable_nn.torch import SyncBatchNorm
 
-    last = name == "relu_last"
-    x_all, cot_all = batch(name, channels_last=last)
+    x_all, cot_all = batch(name, channels_last=name == "relu_last")
     split = SPLITS[name]
     x = part(x_all, split, rank).clone().requires_grad_(True)
-    cot = part(cot_all, split, rank)
-    module = SyncBatchNorm(4, momentum=None if name == "cumulative" else 0.1, dtype=torch.float64,
-                           activation="relu" if last else "identity", channel_axis=-1 if last else 1)
-    w, b = parameters(name)
-    with torch.no_grad():
-        module.weight.copy_(w)
-        module.bias.copy_(b)
-    y = module(x)
-    steps = 2 if name == "cumulative" else 1
-    for _ in range(steps - 1):
+    module = SyncBatchNorm(4, dtype=torch.float64, **OPTIONS[name])
+    set_parameters(module, name)
+    for _ in range(STEPS.get(name, 1)):
         y = module(x)
-    (y * cot).sum().backward()
-    return {"y": y.detach(), "dx": x.grad, "dweight": module.weight.grad, "dbias": module.bias.grad,
-            "running_mean": module.running_mean.clone(), "running_var": module.running_var.clone(),
-            "batches": module.num_batches_tracked.clone()}
+    (y * part(cot_all, split, rank)).sum().backward()
+    return observed(module, y, x)
 
 
 def _offset_scenario(rank: int) -> dict[str, torch.Tensor]:
