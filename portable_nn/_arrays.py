@@ -48,6 +48,14 @@ def is_array(value: Any) -> bool:
     return known
 
 
+def is_masked(value: Any) -> bool:
+    """Whether ``value`` is a masked array — NumPy's ``MaskedArray``, or a Dask array of them —
+    whose mask no kernel or reference formula reads (the masked entries would count)."""
+    if isinstance(value, np.ma.MaskedArray):
+        return True
+    return family(value) == "dask" and isinstance(getattr(value, "_meta", None), np.ma.MaskedArray)
+
+
 def family(x: Any) -> str:
     """The array library of ``x``: numpy, torch, cupy, jax, dask, array_api_strict or other."""
     kind = type(x)

@@ -28,7 +28,7 @@ the reference on the whole Dask array (lazy Dask operations), as before this rou
 The configuration is read when the graph is built and travels with it, so worker threads and
 ``dask.distributed`` worker processes run the chunks as the caller asked.  Under ``auto``, a
 call the route cannot take runs on the reference, reported as a fallback (``explain``,
-``set_fallback``): chunks of a dtype or layout no kernel takes, masked chunks, a reduction over
+``set_fallback``): chunks of a dtype or layout no kernel takes, a reduction over
 no axis, and ``vjp``, which the route has no backward for.
 
 Running statistics keep ``batch_norm``'s contract for Dask arrays (they must be Dask arrays, like
@@ -202,9 +202,6 @@ def _declines(call: dispatch.Call, meta: Any, need_backward: bool, backend: str)
     if need_backward:
         return (f"vjp needs a backward and the chunked route ({backend} on each chunk) has none: vjp of a Dask "
                 "array runs on the reference, over the whole array (auto or use_backend('reference'))")
-    if isinstance(meta, np.ndarray) and type(meta) is not np.ndarray:
-        return (f"its chunks are {type(meta).__module__}.{type(meta).__name__} arrays, whose masks the kernels "
-                "do not read")
     if call.op == "moments" and not call.axes:
         return "the call reduces no axis (there are no partial statistics to merge)"
     return None

@@ -261,6 +261,11 @@ def check_array(value: Any, name: str, *, optional: bool = False) -> Any:
         raise TypeError(
             f"{name} must be an array (NumPy, PyTorch, CuPy, JAX or any array-API library), got {kind}"
         )
+    if _arrays.is_masked(value):
+        raise TypeError(
+            f"{name} is a masked array, and portable_nn's ops read no masks (the masked entries would count): "
+            f"pass {name}.filled(value), or the unmasked entries only"
+        )
     return value
 
 

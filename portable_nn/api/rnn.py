@@ -405,6 +405,7 @@ def _check_lengths(lengths: Any, n: int, steps: int) -> tuple[int, ...] | None:
     if lengths is None:
         return None
     if _arrays.is_array(lengths):
+        check_array(lengths, "lengths")  # refuses a masked array
         xp = _arrays.namespace(lengths)
         dname = _arrays.dtype_name(xp, lengths.dtype)
         if dname not in _INT_DTYPES:

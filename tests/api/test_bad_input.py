@@ -31,8 +31,8 @@ torch = pytest.importorskip("torch")
 
 #: Wrong values per argument kind (``"$"`` marks a value built from the valid one, see ``_bad``).
 _BAD = {
-    "Array": ["a string", None, "$int", "$wrong-rank", "$torch", "$nan"],
-    "Array | None": ["a string", "$int", "$wrong-size", "$torch"],
+    "Array": ["a string", None, "$int", "$wrong-rank", "$torch", "$nan", "$masked"],
+    "Array | None": ["a string", "$int", "$wrong-size", "$torch", "$masked"],
     "int": [2.5, "2", -7, True],
     "int | None": [2.5, "2", -7],
     "float": ["0.1", float("nan"), -1.0, float("inf")],
@@ -72,6 +72,8 @@ def _bad(kind: str, token: Any, valid: Any) -> Any:
         return np.full_like(valid, np.nan) if floating else _SKIP
     if token == "$dropped-weight":
         return [tuple(entry[:1]) for entry in valid]
+    if token == "$masked":  # one entry masked: no op reads masks, so every op must refuse it
+        return np.ma.masked_array(valid, mask=np.arange(valid.size).reshape(valid.shape) == 0)
     raise AssertionError(token)
 
 
@@ -167,3 +169,15 @@ def test_the_sweep_covers_every_op_and_argument():
     for op in dispatch.op_names():
         for name in spec_of(op).arguments:
             assert (op, name) in covered, (op, name)
+
+
+def test_masked_arrays_are_refused_wherever_they_come():
+    """No op reads masks: a masked array is a TypeError naming the argument, also inside the
+    recurrent parameters and as ``lengths`` (which ``_BAD``'s op-by-op cases reach only as arrays)."""
+    (x, params), _ = samples("float64")["lstm"][0]
+    w_ih = params[0][0]
+    masked_w = np.ma.masked_array(w_ih, mask=np.arange(w_ih.size).reshape(w_ih.shape) == 0)
+    with pytest.raises(TypeError, match=r"params\[0\]\[0\] \(w_ih_l0\) is a masked array"):
+        pnn.lstm(x, [(masked_w, *params[0][1:])])
+    with pytest.raises(TypeError, match="lengths is a masked array"):
+        pnn.lstm(x, params, lengths=np.ma.masked_array(np.array([5, 5]), mask=[False, True]))
