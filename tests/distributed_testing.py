@@ -111,6 +111,7 @@ def run(rank: int, store: str, out: str) -> None:
         results = {name: _norm_scenario(name, rank) for name in SPLITS}
         results["offset"] = _offset_scenario(rank)
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+        dist.barrier()  # neither rank tears the group down while the other still uses it
     finally:
         dist.destroy_process_group()
 
@@ -139,5 +140,6 @@ def run_cuda(rank: int, store: str, out: str) -> None:
                     "running_var": module.running_var}
             results[label] = {k: v.detach().cpu() for k, v in seen.items()}
         torch.save(results, os.path.join(out, f"cuda{rank}.pt"))
+        dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -57,6 +57,7 @@ def train(rank: int, store: str, out: str) -> None:
             optimizer.step()
         if rank == 0:
             torch.save(model.module.state_dict(), out)
+        dist.barrier()  # neither process tears the group down while the other still uses it
     finally:
         dist.destroy_process_group()
 
