@@ -38,10 +38,10 @@ from torch import Tensor, nn
 
 from ...api import batch_norm as core_batch_norm
 from ...api import merge_moments, moments
-from ...api.activations import ActivationLike, parse_activation
+from ...api.activations import ActivationLike
 from ...autodiff import vjp
 from ...kernel_plans import momentum_update
-from .modules import _batch_norm_forward, _check_channel_axis, _fused_repr, momentum_factor
+from .modules import _batch_norm_forward, _BatchNormMixin, momentum_factor
 
 
 def _group_size(process_group: Any) -> int:
@@ -142,7 +142,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return dx, dweight, dbias, None, None, None, None, None, None, None
 
 
-class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+class SyncBatchNorm(_BatchNormMixin, nn.modules.batchnorm._BatchNorm):
     """Drop-in ``torch.nn.SyncBatchNorm``: batch norm with the statistics of the whole data-parallel
     batch, on our kernels, for CPU (``gloo``) and CUDA (``nccl``) tensors alike.
 
@@ -193,11 +193,9 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         activation: ActivationLike = "identity",
         channel_axis: int = 1,
     ) -> None:
-        extra = {} if bias else {"bias": False}
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, **extra)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias,
+                         activation=activation, channel_axis=channel_axis)
         self.process_group = process_group
-        self.activation = parse_activation(activation)
-        self.channel_axis = _check_channel_axis(channel_axis)
 
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
@@ -221,10 +219,6 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         return _SyncBatchNormFunction.apply(
             input, self.weight, self.bias, self.running_mean if keep else None, self.running_var if keep else None,
             factor, self.eps, self.activation, self.channel_axis, group)
-
-    def extra_repr(self) -> str:
-        """``torch.nn``'s description plus the fused activation and a channels-last layout."""
-        return super().extra_repr() + _fused_repr(self)
 
     @classmethod
     def convert_sync_batchnorm(cls, module: nn.Module, process_group: Any = None) -> nn.Module:
