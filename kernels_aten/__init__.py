@@ -69,7 +69,8 @@ ATEN_SUPPORT = dict(
 FASTER_THAN_NUMBA = 6
 AHEAD_OF_GPU_KERNELS = 4.5
 NOT_FASTER = 2
-PRIORITY = {"conv": FASTER_THAN_NUMBA, "lstm": AHEAD_OF_GPU_KERNELS, "rnn": AHEAD_OF_GPU_KERNELS,
+PRIORITY = {"conv": FASTER_THAN_NUMBA, "conv_transpose": FASTER_THAN_NUMBA, "lstm": AHEAD_OF_GPU_KERNELS,
+            "rnn": AHEAD_OF_GPU_KERNELS,
             "gru": AHEAD_OF_GPU_KERNELS, "dense": FASTER_THAN_NUMBA}
 
 
@@ -107,6 +108,20 @@ register_builtin(
         **ATEN_SUPPORT,
     ),
     priority=PRIORITY["conv"],
+)
+
+register_builtin(
+    "conv_transpose",
+    BACKEND.name,
+    forward="kernels_aten.conv:conv_transpose_forward",
+    backward="kernels_aten.conv:conv_transpose_backward",
+    supports=Support(
+        layouts=("channels_first", "channels_last"),
+        description="oneDNN transposed convolution (PyTorch's own for float64; cuDNN on CUDA) + torch activation; "
+        "every argument; channels last as a permuted view",
+        **ATEN_SUPPORT,
+    ),
+    priority=PRIORITY["conv_transpose"],
 )
 
 #: What each sequence op runs; all take every argument but GRU's reset_after=False.

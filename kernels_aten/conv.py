@@ -64,6 +64,8 @@ class _Geometry:
     batched: bool
     bias_sizes: list[int] | None
     activation: Activation
+    transposed: bool = False
+    output_padding: tuple[int, ...] = ()
 
 
 def _channels_first(t: torch.Tensor, channels_last: bool, batched: bool) -> torch.Tensor:
@@ -107,19 +109,34 @@ def _no_tf32() -> Iterator[None]:
 
 def conv_forward(call: Any) -> tuple[tuple[torch.Tensor], Any]:
     """y = act(conv(x, weight) + bias) with ``aten::convolution``; residuals per the module docstring."""
-    channels_last = call.layout == "channels_last"
-    x = _channels_first(call.x, channels_last, call.batched)
-    weight, bias, act = call.weight, call.bias, call.activation
     d = len(call.kernel)
-    interior = None
-    padding = list(call.pad_lo)
     if call.pad_lo != call.pad_hi:
-        x = F.pad(x, _pad_widths(call.pad_lo, call.pad_hi))
-        padding = [0] * d
+        x = F.pad(_channels_first(call.x, call.layout == "channels_last", call.batched),
+                  _pad_widths(call.pad_lo, call.pad_hi))
         interior = (slice(None), slice(None), *(slice(lo, lo + n) for lo, n in zip(call.pad_lo, call.in_size)))
+        return _forward(call, x, [0] * d, interior, False, (0,) * d)
+    return _forward(call, None, list(call.pad_lo), None, False, (0,) * d)
+
+
+def conv_transpose_forward(call: Any) -> tuple[tuple[torch.Tensor], Any]:
+    """y = act(conv_transpose(x, weight) + bias) with ``aten::convolution`` (``transposed=True``).
+
+    The call carries the geometry of the convolution it transposes, whose low padding is
+    PyTorch's ``padding`` argument of the transposed one.
+    """
+    return _forward(call, None, list(call.pad_lo), None, True, tuple(call.output_padding))
+
+
+def _forward(call: Any, x: Any, padding: list[int], interior: Any, transposed: bool,
+             output_padding: tuple[int, ...]) -> tuple[tuple[torch.Tensor], Any]:
+    channels_last = call.layout == "channels_last"
+    if x is None:
+        x = _channels_first(call.x, channels_last, call.batched)
+    weight, bias, act = call.weight, call.bias, call.activation
     with _ieee_float32(x):
         z = torch.ops.aten.convolution(
-            x, weight, bias, list(call.stride), padding, list(call.dilation), False, [0] * d, call.groups
+            x, weight, bias, list(call.stride), padding, list(call.dilation), transposed, list(output_padding),
+            call.groups,
         )
     from_output = keeps_output_only(act)
     # z is needed after the activation only when the backward reads act' from it.
@@ -129,7 +146,7 @@ def conv_forward(call: Any) -> tuple[tuple[torch.Tensor], Any]:
         kept = None if act.is_identity else (y if from_output else z)
         geometry = _Geometry(
             list(call.stride), padding, list(call.dilation), call.groups, interior, channels_last,
-            call.batched, None if bias is None else [int(bias.shape[0])], act,
+            call.batched, None if bias is None else [int(bias.shape[0])], act, transposed, output_padding,
         )
         residuals = (x, weight, kept, geometry)
     return (_caller_layout(y, channels_last, call.batched),), residuals
@@ -148,7 +165,7 @@ def conv_backward(residuals: Any, cotangents: Any, needs: frozenset[str]) -> dic
     with _ieee_float32(x):
         dx, dweight, dbias = torch.ops.aten.convolution_backward(
             g, x, weight, geo.bias_sizes if want_bias else None, geo.stride, geo.padding, geo.dilation,
-            False, [0] * d, geo.groups, mask,
+            geo.transposed, list(geo.output_padding) or [0] * d, geo.groups, mask,
         )
     grads = {}
     if mask[0]:
@@ -160,3 +177,7 @@ def conv_backward(residuals: Any, cotangents: Any, needs: frozenset[str]) -> dic
     if want_bias:
         grads["bias"] = dbias
     return grads
+
+
+#: The transposed convolution's backward is ``aten::convolution_backward`` with ``transposed=True``.
+conv_transpose_backward = conv_backward

@@ -20,7 +20,7 @@ from portable_nn.kernel_notes import options
 
 #: What every NumPy-native CPU kernel takes: NumPy arrays and CPU torch tensors
 #: (zero-copy views), float32/float64, C-contiguous (strided input is copied,
-#: and ``explain`` reports the copy).
+#: and ``explain`` reports the copy).  The ops declared with it take nothing else.
 CPU_SUPPORT = dict(
     families=("numpy", "torch"),
     devices=("cpu",),
@@ -29,6 +29,15 @@ CPU_SUPPORT = dict(
     mixed_precision=False,
     native="numpy",
 )
+#: The same with float16/bfloat16 data too (NumPy float16, ml_dtypes bfloat16 as JAX gives, CPU
+#: torch float16/bfloat16 tensors), with parameters of the data's dtype or float32: the kernels
+#: read and write the half-precision bits and compute in float32 (``kernels_cpu._half``).
+HALF_SUPPORT = {**CPU_SUPPORT, "dtypes": ("float32", "float64", "float16", "bfloat16"), "mixed_precision": True}
+#: The kernels that compute in float32 throughout (convolution, dense, pooling, losses,
+#: recurrences) take half-precision calls through this module: widened to float32 on entry,
+#: rounded back on exit.  The norms read and write half-precision data in their loops instead.
+WIDENED = "kernels_cpu._widened"
+WIDENED_NOTE = "; float16/bfloat16 widened to float32 on entry, rounded on exit"
 NUMBA_PRIORITY = 5
 #: Entered around every forward and backward: BLAS at one thread for the call's duration.
 CPU_SCOPE = "kernels_cpu._runtime:call_scope"
@@ -42,7 +51,8 @@ def _probe() -> tuple[bool, str]:
 
 
 BACKEND = Backend("numba", probe=_probe, priority=NUMBA_PRIORITY, arrays="numpy",
-                  description="Numba-JIT CPU kernels: NumPy arrays and CPU torch tensors (zero-copy)",
+                  description="Numba-JIT CPU kernels: NumPy arrays and CPU torch tensors (zero-copy), "
+                              "float32/float64 and float16/bfloat16 (float32 arithmetic)",
                   compile_variants="kernels_cpu._runtime:every_variant")
 
 register_builtin(
@@ -64,7 +74,10 @@ for _op in ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm
         BACKEND.name,
         forward="kernels_cpu.norm:norm_forward",
         backward="kernels_cpu.norm:norm_backward",
-        supports=Support(layouts=("channels_first", "channels_last"), **CPU_SUPPORT),
+        supports=Support(layouts=("channels_first", "channels_last"),
+                         description="float16/bfloat16 read and written in the loops (float32 arithmetic, float64 "
+                                     "statistics)",
+                         **HALF_SUPPORT),
         priority=NUMBA_PRIORITY,
         scope=CPU_SCOPE,
     )
@@ -74,11 +87,11 @@ for _op, _kind in (("rnn_cell", "cell"), ("lstm_cell", "cell"), ("gru_cell", "ce
     register_builtin(
         _op,
         BACKEND.name,
-        forward=f"kernels_cpu.rnn:{_kind}_forward",
-        backward=f"kernels_cpu.rnn:{_kind}_backward",
+        forward=f"{WIDENED}:{_kind}_forward",
+        backward=f"{WIDENED}:{_kind}_backward",
         supports=Support(
-            description=options(_op),
-            **CPU_SUPPORT,
+            description=options(_op) + WIDENED_NOTE,
+            **HALF_SUPPORT,
         ),
         priority=NUMBA_PRIORITY,
         scope=CPU_SCOPE,
@@ -87,12 +100,27 @@ for _op, _kind in (("rnn_cell", "cell"), ("lstm_cell", "cell"), ("gru_cell", "ce
 register_builtin(
     "conv",
     BACKEND.name,
-    forward="kernels_cpu.conv:conv_forward",
-    backward="kernels_cpu.conv:conv_backward",
+    forward=f"{WIDENED}:conv_forward",
+    backward=f"{WIDENED}:conv_backward",
     supports=Support(
         layouts=("channels_first", "channels_last"),
-        description="1-3-D, batched or not, every stride/padding/dilation/groups (depthwise included)",
-        **CPU_SUPPORT,
+        description="1-3-D, batched or not, every stride/padding/dilation/groups (depthwise included)" + WIDENED_NOTE,
+        **HALF_SUPPORT,
+    ),
+    priority=NUMBA_PRIORITY,
+    scope=CPU_SCOPE,
+)
+
+register_builtin(
+    "conv_transpose",
+    BACKEND.name,
+    forward=f"{WIDENED}:conv_transpose_forward",
+    backward=f"{WIDENED}:conv_transpose_backward",
+    supports=Support(
+        layouts=("channels_first", "channels_last"),
+        description="1-3-D, batched or not, every stride/padding/output_padding/dilation/groups: the conv "
+        "kernels' column products and scatter, then a bias + activation pass" + WIDENED_NOTE,
+        **HALF_SUPPORT,
     ),
     priority=NUMBA_PRIORITY,
     scope=CPU_SCOPE,
@@ -101,9 +129,9 @@ register_builtin(
 register_builtin(
     "dense",
     BACKEND.name,
-    forward="kernels_cpu.dense:dense_forward",
-    backward="kernels_cpu.dense:dense_backward",
-    supports=Support(description="any leading shape (1-D x and zero rows included)", **CPU_SUPPORT),
+    forward=f"{WIDENED}:dense_forward",
+    backward=f"{WIDENED}:dense_backward",
+    supports=Support(description="any leading shape (1-D x and zero rows included)" + WIDENED_NOTE, **HALF_SUPPORT),
     priority=NUMBA_PRIORITY,
     scope=CPU_SCOPE,
 )
@@ -115,14 +143,14 @@ for _op, _entry in _POOLS.items():
     register_builtin(
         _op,
         BACKEND.name,
-        forward=f"kernels_cpu.pool:{_entry}_forward",
-        backward=f"kernels_cpu.pool:{_entry}_backward",
+        forward=f"{WIDENED}:{_entry}_forward",
+        backward=f"{WIDENED}:{_entry}_backward",
         supports=Support(
             layouts=("channels_first", "channels_last"),
             # max_unpool keeps its positions in int64: no plane-size limit
             check=None if _op == "max_unpool" else int32_pool_positions,
-            description=options(_op),
-            **CPU_SUPPORT,
+            description=options(_op) + WIDENED_NOTE,
+            **HALF_SUPPORT,
         ),
         priority=NUMBA_PRIORITY,
         scope=CPU_SCOPE,
@@ -133,12 +161,12 @@ for _op in ("log_softmax", "cross_entropy"):
     register_builtin(
         _op,
         BACKEND.name,
-        forward=f"kernels_cpu.loss:{_op}_forward",
-        backward=f"kernels_cpu.loss:{_op}_backward",
+        forward=f"{WIDENED}:{_op}_forward",
+        backward=f"{WIDENED}:{_op}_backward",
         supports=Support(
             check=int64_ignore_index if _op == "cross_entropy" else None,
-            description=options(_op),
-            **CPU_SUPPORT,
+            description=options(_op) + WIDENED_NOTE,
+            **HALF_SUPPORT,
         ),
         priority=NUMBA_PRIORITY,
         scope=CPU_SCOPE,

@@ -60,6 +60,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from portable_nn.api.activations import parse_activation
 from portable_nn.kernel_codes import IDENTITY, keeps_output_only
 
 from . import _conv_direct, _conv_shifted, _runtime
@@ -559,3 +560,166 @@ def _weight_gradient(dwp, plan, call):
         total = total.reshape(o, taps, cg).transpose(0, 2, 1)
     return np.ascontiguousarray(total.reshape((o, cg, *call.kernel)), dtype=dwp.dtype)
 
+
+
+# --------------------------------------------------------------------------- transposed convolution
+#
+# conv_transpose's call carries the geometry of the convolution C it transposes (C's input is
+# conv_transpose's output).  The products are C's own: the forward is C's input gradient at the
+# cotangent x (column products, then the col2im scatter), followed by one bias + activation pass;
+# the backward is C's forward of g = dy · act' (dx, on whichever of the three paths suits C) and
+# C's weight gradient with input g and output gradient x (dweight).
+
+
+@njit(inline="always", **_OPTS)
+def _transpose_rows(z, y, b, r0, r1, last, kind, code, slope):
+    """y = act(z + bias) for images [r0, r1) of (N, O, P) channels first or (N, P, O) channels last."""
+    for r in range(r0, r1):
+        for a in range(z.shape[1]):
+            zr, yr = z[r, a], y[r, a]
+            if last:
+                for j in range(zr.shape[0]):
+                    yr[j] = apply_kind(np.float64(zr[j] + b[j]), kind, code, slope)
+            else:
+                bo = b[a]
+                for j in range(zr.shape[0]):
+                    yr[j] = apply_kind(np.float64(zr[j] + bo), kind, code, slope)
+
+
+@njit(**_OPTS)
+def _transpose_epilogue(z, y, b, r0, r1, last, code, slope):
+    if code == IDENTITY:
+        _transpose_rows(z, y, b, r0, r1, last, 0, code, slope)
+    elif is_rectifier(code):
+        _transpose_rows(z, y, b, r0, r1, last, 1, code, rectifier_slope(code, slope))
+    else:
+        _transpose_rows(z, y, b, r0, r1, last, 2, code, slope)
+
+
+@njit(parallel=True, **_OPTS)
+def _transpose_epilogue_parallel(z, y, b, step, last, code, slope):
+    rows = z.shape[0]
+    for k in prange(-(-rows // step)):
+        _transpose_epilogue(z, y, b, k * step, min(rows, (k + 1) * step), last, code, slope)
+
+
+@njit(**_OPTS)
+def _transpose_epilogue_serial(z, y, b, step, last, code, slope):
+    _transpose_epilogue(z, y, b, 0, z.shape[0], last, code, slope)
+
+
+@njit(inline="always", **_OPTS)
+def _times_derivative_kind(dy, kept, g, i0, i1, kind, code, slope, from_output):
+    for i in range(i0, i1):
+        g[i] = dy[i] * deriv_kind(np.float64(kept[i]), kind, code, slope, from_output)
+
+
+@njit(**_OPTS)
+def _times_derivative(dy, kept, g, i0, i1, code, slope, from_output):
+    """g = dy · act'(kept) over flat elements [i0, i1)."""
+    if is_rectifier(code) and from_output:
+        _times_derivative_kind(dy, kept, g, i0, i1, 1, code, rectifier_slope(code, slope), from_output)
+    else:
+        _times_derivative_kind(dy, kept, g, i0, i1, 2, code, slope, from_output)
+
+
+@njit(parallel=True, **_OPTS)
+def _times_derivative_parallel(dy, kept, g, step, code, slope, from_output):
+    for k in prange(-(-dy.size // step)):
+        _times_derivative(dy, kept, g, k * step, min(dy.size, (k + 1) * step), code, slope, from_output)
+
+
+@njit(**_OPTS)
+def _times_derivative_serial(dy, kept, g, step, code, slope, from_output):
+    _times_derivative(dy, kept, g, 0, dy.size, code, slope, from_output)
+
+
+#: Elements per parallel task of the elementwise passes (64K: a few tens of microseconds each);
+#: below PARALLEL_MIN_ELEMENTS such a pass runs serially (the thread pool's ~50 us would dominate).
+_ELEMENTWISE_STEP = 1 << 16
+PARALLEL_MIN_ELEMENTS = 1 << 17
+IDENTITY_ACTIVATION = parse_activation("identity")
+
+
+def _transposed_call(call, x, save):
+    """The call of the convolution conv_transpose's ``call`` transposes, for input ``x`` (identity,
+    no bias); ``x`` may be a stand-in of the right shape when only C's input gradient is computed."""
+    params = {**call.params, "activation": IDENTITY_ACTIVATION}
+    return call.replace(arrays={"x": x, "weight": call.weight, "bias": None}, params=params, save=save)
+
+
+def _transposed_shape(call, weight):
+    """conv_transpose's output shape (C's input), in the caller's layout, batched or not."""
+    o = call.groups * int(weight.shape[1])
+    shape = (*call.in_size, o) if call.layout == "channels_last" else (o, *call.in_size)
+    return (int(call.x.shape[0]), *shape) if call.batched else shape
+
+
+def conv_transpose_forward(call):
+    """y = act(Cᵀ x + bias): C's input gradient at the cotangent x (im2col path: column products
+    ``dcols = x @ W`` per image chunk, then the scatter), then one bias + activation pass."""
+    x, weight, dtype = call.x, call.weight, call.x.dtype
+    shape = _transposed_shape(call, weight)
+    standin = np.broadcast_to(np.empty((), dtype), shape)  # C's input: only its shape is read
+    c_call = _transposed_call(call, standin, False)
+    plan = _plan(c_call, weight.shape)
+    residuals = (np.empty(0, dtype), _weight_matrix(weight, plan), None, plan, c_call)
+    z = conv_backward(residuals, (x,), frozenset({"x"}))["x"]
+    act_ = call.activation
+    if call.bias is None and act_.is_identity:
+        y, kept = z, None
+    else:
+        o = call.groups * int(weight.shape[1])
+        b = np.zeros(o, dtype) if call.bias is None else np.ascontiguousarray(call.bias, dtype)
+        y = _runtime.empty(shape, dtype)
+        keep_z = call.save and not act_.is_identity and not keeps_output_only(act_)
+        per = math.prod(call.in_size)
+        rows_z = z.reshape(plan.n, per, o) if plan.last else z.reshape(plan.n, o, per)
+        if keep_z and call.bias is not None:
+            # The backward reads act' from the pre-activation z + bias: add the bias in place
+            # (one more pass, for the activations that keep z only).
+            rows_z += b if plan.last else b[:, None]
+            b = np.zeros(o, dtype)
+        rows_y = y.reshape(rows_z.shape)
+        step = max(1, _ELEMENTWISE_STEP // max(1, rows_z[0].size if plan.n else 1))
+        _runtime.run_sized(_transpose_epilogue_parallel, _transpose_epilogue_serial, y.size >= PARALLEL_MIN_ELEMENTS,
+                           rows_z, rows_y, b, step, plan.last, act_.code, act_.slope)
+        kept = None if act_.is_identity else (z if keep_z else y)
+    residuals = (x, weight, kept, call.replace(arrays={})) if call.save else None
+    return (y,), residuals
+
+
+def conv_transpose_backward(residuals, cotangents, needs, out=None):
+    """dbias = Σ g, dx = C g (C's forward: im2col, shifted or direct), dweight = C's weight
+    gradient of (g, x), with g = dy · act'(kept)."""
+    x, weight, kept, call = residuals
+    out = out or {}
+    dtype = x.dtype
+    shape = _transposed_shape(call.replace(arrays={"x": x}), weight)
+    dy = cotangent(cotangents, dtype, shape)
+    act_ = call.activation
+    if act_.is_identity:
+        g = dy
+    else:
+        g = _runtime.empty(shape, dtype)
+        _runtime.run_sized(_times_derivative_parallel, _times_derivative_serial, g.size >= PARALLEL_MIN_ELEMENTS,
+                           dy.reshape(-1), kept.reshape(-1), g.reshape(-1), _ELEMENTWISE_STEP, act_.code, act_.slope,
+                           keeps_output_only(act_))
+    grads = {}
+    if "bias" in needs:
+        last = call.layout == "channels_last"
+        axes = tuple(a for a in range(g.ndim) if a != (g.ndim - 1 if last else (1 if call.batched else 0)))
+        grads["bias"] = _into(out, "bias", g.sum(axis=axes, dtype=np.float64).astype(dtype))
+    need_x, need_w = "x" in needs, "weight" in needs
+    if not (need_x or need_w):
+        return grads
+    c_call = _transposed_call(call.replace(arrays={"x": x, "weight": weight}), g, need_w)
+    if need_x:
+        (dx,), c_residuals = conv_forward(c_call)
+        grads["x"] = _into(out, "x", dx)
+    else:
+        plan = _plan(c_call, weight.shape)
+        c_residuals = (padded_input(g, plan), _weight_matrix(weight, plan), None, plan, c_call)
+    if need_w:
+        grads["weight"] = _into(out, "weight", conv_backward(c_residuals, (x,), frozenset({"weight"}))["weight"])
+    return grads

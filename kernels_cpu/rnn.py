@@ -1020,7 +1020,10 @@ def _projection_grad(saved, grads, lengths, buffer):
     """dw_hr = Σ_t dh_tᵀ·(o ⊙ tanh(c_t)) over the active steps (one GEMM over all T·N rows)."""
     steps, n, hs = saved.extra.shape
     active = np.arange(steps)[:, None] < lengths[None, :]
-    unprojected = np.where(active[:, :, None], saved.gates[:, :, 3 * hs:] * saved.extra, 0)
+    # Only the active steps are multiplied: the others were never written (their memory may hold
+    # anything, NaN included, which warned "invalid value" through np.where).
+    unprojected = np.zeros_like(saved.extra)
+    np.multiply(saved.gates[:, :, 3 * hs:], saved.extra, out=unprojected, where=active[:, :, None])
     dw = np.dot(grads.dproj.reshape(steps * n, -1).T, unprojected.reshape(steps * n, hs))
     return _into(buffer, dw)
 

@@ -212,18 +212,33 @@ def is_c_contiguous(x: Any) -> bool:
 
 
 def to_numpy_view(x: Any) -> Any:
-    """A zero-copy NumPy view of a CPU torch tensor (or ``x`` itself if NumPy)."""
+    """A zero-copy NumPy view of a CPU torch tensor (or ``x`` itself if NumPy).
+
+    NumPy has no bfloat16: a bfloat16 tensor's bits are shared as a ``uint16`` view, which is
+    how the CPU kernels read bfloat16 in any case (``kernels_cpu._half``).
+    """
     if family(x) == "torch":
-        return x.detach().numpy()
+        import torch
+
+        t = x.detach()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.uint16).numpy()
+        return t.numpy()
     return x
 
 
-def from_numpy_like(result: Any, like_family: str) -> Any:
-    """Wrap a NumPy array produced by a kernel back into ``like_family`` without a copy."""
+def from_numpy_like(result: Any, like_family: str, like_dtype: str | None = None) -> Any:
+    """Wrap a NumPy array produced by a kernel back into ``like_family`` without a copy.
+
+    ``like_dtype="bfloat16"`` re-types a ``uint16`` result (bfloat16 bits, see
+    :func:`to_numpy_view`) or an ml_dtypes bfloat16 one as a bfloat16 tensor.
+    """
     if result is None or like_family != "torch":
         return result
     import torch
 
+    if result.dtype.name == "bfloat16" or (like_dtype == "bfloat16" and result.dtype == np.uint16):
+        return torch.from_numpy(result.view(np.uint16)).view(torch.bfloat16)
     return torch.from_numpy(result)
 
 

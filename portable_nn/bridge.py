@@ -21,7 +21,7 @@ class Bridge:
 
     Two bridges exist, both zero-copy: CPU torch tensors to NumPy views for
     ``native="numpy"`` kernels, and CUDA torch tensors to CuPy views for
-    ``native="cupy"`` kernels.  A CuPy-native kernel runs inside
+    ``native="cupy"`` kernels (bfloat16, which NumPy lacks, as ``uint16`` bits).  A CuPy-native kernel runs inside
     :meth:`context`: the arrays' device is current and, for torch tensors,
     CuPy's current stream is torch's current stream, so the kernels order
     themselves with the caller's PyTorch work without a synchronisation.
@@ -54,7 +54,7 @@ class Bridge:
             return [self.outward(v) for v in value]
         if self.native == "cupy":
             return _arrays.from_cupy_like(value, self.family, self.dtype)
-        return _arrays.from_numpy_like(value, self.family)
+        return _arrays.from_numpy_like(value, self.family, self.dtype)
 
     def native_namespace(self) -> Any:
         """The array-API namespace the kernel sees for bridged arrays."""

@@ -20,11 +20,16 @@ back into tensors, so torch users get the CPU kernels without a copy.  GPU
 kernels declare ``native="cupy"`` and get zero-copy CuPy views of CUDA torch
 tensors, run on torch's current stream (:class:`~portable_nn.bridge.Bridge`).  What a call would run,
 and why, is :func:`portable_nn.explain` (:mod:`portable_nn.introspection`).
+
+A call may carry input maps (:class:`InputMap`): linear maps of an argument (conv's padding
+modes) that :func:`run` applies before the implementation, whichever it is, and whose adjoints
+take that argument's gradient back, so implementations never see them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import inspect
 import threading
@@ -43,6 +48,7 @@ __all__ = [
     "BackendStatus",
     "Call",
     "Implementation",
+    "InputMap",
     "Support",
     "available_backends",
     "backend_names",
@@ -90,12 +96,16 @@ class Call:
             ``None`` when not known (then any gradient of a given argument may be
             asked for).  A forward may use it to keep less, e.g. record autograd
             history only for these arguments.
+        input_maps: :class:`InputMap` by array name: linear maps :func:`run` applies to
+            those arrays before the implementation runs (``params`` describe the
+            mapped arrays); empty in every call an implementation receives.
 
     Arguments are also readable as attributes: ``call.x``, ``call.eps``
     (arrays first, then params; ``AttributeError`` for other names).
     """
 
-    __slots__ = ("arrays", "device", "dtype", "family", "layout", "needs", "op", "params", "save", "xp")
+    __slots__ = ("arrays", "device", "dtype", "family", "input_maps", "layout", "needs", "op", "params", "save",
+                 "xp")
 
     def __init__(
         self,
@@ -110,6 +120,7 @@ class Call:
         layout: str | None = None,
         save: bool = False,
         needs: frozenset[str] | None = None,
+        input_maps: Mapping[str, InputMap] | None = None,
     ) -> None:
         self.op = op
         self.xp = xp
@@ -121,6 +132,7 @@ class Call:
         self.params = dict(params or {})
         self.save = save
         self.needs = needs
+        self.input_maps = dict(input_maps or {})
 
     def __getattr__(self, name: str) -> Any:
         # __slots__ attributes never reach here; only argument names do.
@@ -135,7 +147,7 @@ class Call:
         Args:
             **changes: new values by attribute name (``arrays=``, ``params=``,
                 ``xp=``, ``family=``, ``device=``, ``dtype=``, ``layout=``, ``save=``,
-                ``needs=``).
+                ``needs=``, ``input_maps=``).
 
         Returns:
             A new :class:`Call` for the same op; this one is unchanged.
@@ -152,6 +164,56 @@ class Call:
             f"Call({self.op}, family={self.family}, device={self.device}, dtype={self.dtype}, "
             f"layout={self.layout}, shapes={shapes})"
         )
+
+    def mapped(self) -> Call:
+        """This call with its :attr:`input_maps` applied: the arrays its implementation receives.
+
+        ``self`` when it has none; otherwise a copy whose mapped arrays are replaced by
+        ``map.apply(xp, array)`` and which has no maps left.
+        """
+        if not self.input_maps:
+            return self
+        arrays = dict(self.arrays)
+        for name, input_map in self.input_maps.items():
+            arrays[name] = input_map.apply(self.xp, arrays[name])
+        return self.replace(arrays=arrays, input_maps={})
+
+
+class InputMap:
+    """A linear map ``A`` applied to one array argument before dispatch, and its adjoint ``Aᵀ``.
+
+    Some calls are a simpler call on a transformed input: a convolution with
+    ``padding_mode="reflect"`` is a convolution without padding of ``x`` padded by
+    reflection.  Rather than each implementation learning the transform, the op's
+    validation declares it on the :class:`Call` (``Call.input_maps``, by array name)
+    and describes the mapped array in ``params``; :func:`run` applies it after
+    selecting the implementation (on every backend and array library alike, with the
+    call's own namespace), and :meth:`Executed.backward` maps that argument's gradient
+    back: for the loss ``L``, ``∂L/∂a = Aᵀ (∂L/∂(A a))``.  The map being linear, its
+    adjoint needs nothing from the forward.  ``explain`` lists the maps; selection sees
+    the call as validated (only the mapped arrays' values and shapes differ, which
+    ``params`` already describe).
+
+    Subclasses implement :meth:`apply` and :meth:`adjoint` with array-API functions
+    only, functionally (JAX arrays are immutable), and ``__str__`` (for ``explain``).
+    """
+
+    def apply(self, xp: Any, a: Any) -> Any:
+        """``A a``: the array the implementation receives in place of ``a``."""
+        raise NotImplementedError
+
+    def adjoint(self, xp: Any, g: Any) -> Any:
+        """``Aᵀ g``, for ``g`` shaped like ``A a``: the gradient with respect to ``a`` itself."""
+        raise NotImplementedError
+
+
+def adjoin_gradients(input_maps: Mapping[str, InputMap], xp: Any, grads: dict[str, Any]) -> dict[str, Any]:
+    """``grads`` (by argument name, with respect to the mapped arrays; updated in place and returned)
+    with each mapped argument's gradient taken back through its map's adjoint."""
+    for name, input_map in input_maps.items():
+        if grads.get(name) is not None:
+            grads[name] = input_map.adjoint(xp, grads[name])
+    return grads
 
 
 # --------------------------------------------------------------------------- support
@@ -182,7 +244,9 @@ class Support:
         check: optional ``check(call) -> str | None`` returning why the call is
             declined (sizes, argument values), or ``None`` to accept.
         native: ``"numpy"`` if the kernel body works on NumPy arrays: CPU torch
-            tensors then reach it as zero-copy NumPy views; ``"cupy"`` if it works
+            tensors then reach it as zero-copy NumPy views (bfloat16, which NumPy
+            lacks, as ``uint16`` bits; a ``uint16`` result of a bfloat16 call
+            returns as a bfloat16 tensor); ``"cupy"`` if it works
             on CuPy arrays: CUDA torch tensors reach it as zero-copy CuPy views
             (bfloat16 as ``uint16`` bits when CuPy lacks the type), run on
             torch's current stream, and its results return as tensors.
@@ -468,7 +532,16 @@ def register_kernel(
         - ``conv``: arrays ``x``, ``weight``, ``bias``; ``spatial_axes``,
           ``channel_axis``, ``batched``, ``groups``, ``kernel``, ``stride``,
           ``dilation``, ``pad_lo``, ``pad_hi``, ``in_size``, ``out_size`` (per
-          spatial axis), ``activation``, ``mixed_precision``.
+          spatial axis), ``activation``, ``mixed_precision``.  The padding is
+          zeros: with another ``padding_mode``, ``x`` arrives padded (an
+          :class:`InputMap`) and ``pad_lo``/``pad_hi`` are 0.
+        - ``conv_transpose``: arrays ``x``, ``weight`` (``(C, O/groups, *k)``),
+          ``bias``; the fields of the convolution it transposes, named as
+          ``conv``'s (``spatial_axes``, ``channel_axis``, ``batched``,
+          ``groups``, ``kernel``, ``stride``, ``dilation``, ``pad_lo``,
+          ``pad_hi``, ``in_size`` — this op's *output* size —, ``out_size`` —
+          its input size), ``output_padding``, ``activation``,
+          ``mixed_precision``.
         - ``dense``: arrays ``x``, ``weight``, ``bias``; ``activation``,
           ``in_features``, ``out_features``, ``mixed_precision``.
         - pooling (``max_pool``, ``avg_pool``): array ``x``; ``spatial_axes``,
@@ -695,10 +768,11 @@ class Selection:
 def _copies_needed(impl: Implementation, call: Call) -> list[str]:
     if not impl.supports.contiguous:
         return []
+    # A mapped array is replaced by the map's result before it runs (see run: checked then).
     return [
         name
         for name, value in call.arrays.items()
-        if value is not None and not _arrays.is_c_contiguous(value)
+        if value is not None and name not in call.input_maps and not _arrays.is_c_contiguous(value)
     ]
 
 
@@ -841,13 +915,16 @@ def _bridge_call(
 
 @dataclass
 class Executed:
-    """A forward that ran: its outputs and what a backward needs."""
+    """A forward that ran: its outputs and what a backward needs (with the call's input maps
+    and namespace, to take the mapped arguments' gradients back)."""
 
     outputs: tuple[Any, ...]
     residuals: Any
     impl: Implementation
     bridge: Bridge
     family: str
+    input_maps: Mapping[str, InputMap] = field(default_factory=dict)
+    xp: Any = None
 
     def take_outputs(self) -> tuple[Any, ...]:
         """The outputs, forgotten here: a backward kept for later then does not keep them alive
@@ -860,10 +937,15 @@ class Executed:
         if fn is None:  # pragma: no cover - select() rules this out for vjp
             raise BackendUnavailableError(f"{self.impl.backend} has no backward for {self.impl.op}")
         cts = tuple(self.bridge.inward(c) for c in cotangents)
-        buffers = {k: self.bridge.inward(v) for k, v in out.items() if v is not None}
+        # A mapped argument's buffer has its own shape, not the mapped array's: vjp fills it afterwards.
+        buffers = {k: self.bridge.inward(v) for k, v in out.items() if v is not None and k not in self.input_maps}
         with NoGrad(self.family), self.bridge.context(), self.impl.runtime_scope():
             grads = fn(self.residuals, cts, needs, buffers)
-        return {k: self.bridge.outward(v) for k, v in grads.items()}
+        grads = {k: self.bridge.outward(v) for k, v in grads.items()}
+        if not self.input_maps:
+            return grads
+        with NoGrad(self.family):
+            return adjoin_gradients(self.input_maps, self.xp, grads)
 
 
 def run(call: Call, need_backward: bool = False, needs: frozenset[str] | None = None) -> Executed:
@@ -878,7 +960,12 @@ def run(call: Call, need_backward: bool = False, needs: frozenset[str] | None = 
     selection = select(call, need_backward)
     impl = selection.impl
     bridge = Bridge(call.family, impl.supports.native, call.device, call.dtype)
-    inner = _bridge_call(call, selection, bridge, need_backward, needs)
+    mapped = call
+    if call.input_maps:
+        with NoGrad(call.family):
+            mapped = call.mapped()  # in the caller's library, before any bridge
+        selection = dataclasses.replace(selection, copies=_copies_needed(impl, mapped))
+    inner = _bridge_call(mapped, selection, bridge, need_backward, needs)
     with NoGrad(call.family), bridge.context(), impl.runtime_scope():
         outputs, residuals = impl.forward_fn()(inner)
-    return Executed(bridge.outward(tuple(outputs)), residuals, impl, bridge, call.family)
+    return Executed(bridge.outward(tuple(outputs)), residuals, impl, bridge, call.family, call.input_maps, call.xp)

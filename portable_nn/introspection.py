@@ -31,6 +31,8 @@ class Explanation:
         source: where the request came from (``"default"``, ``"set_backend"``,
             ``"use_backend (conv=numba)"``, the environment variable …).
         copies: names of the arrays dispatch would copy to C order first.
+            The call's input maps (``call.input_maps``, such as conv's padding
+            modes), which run before the implementation, are listed by ``str()``.
         passed_over: ``(backend, reason)`` for every other implementation, in
             preference order: why it declined or that it ranks lower.
         fallback: whether a kernel that targets these arrays declined the call
@@ -70,6 +72,8 @@ class Explanation:
             "  copies: "
             + (", ".join(f"{n} made C-contiguous" for n in self.copies) if self.copies else "none")
         )
+        for name, input_map in c.input_maps.items():  # applied before the implementation runs (any backend)
+            lines.append(f"  input map: {name} {input_map}")
         if self.fallback:
             lines.append("  fallback: a kernel for these arrays declined the call")
         for backend, reason in self.passed_over:

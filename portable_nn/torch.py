@@ -13,8 +13,10 @@ with fake implementations and autograd formulas, so ``torch.compile`` keeps
 them in its graphs; forward and backward run through dispatch (CPU tensors
 reach the Numba kernels without a copy, CUDA tensors the GPU kernels; conv,
 dense, lstm and rnn run PyTorch's own kernels, the ``aten`` backend, which
-measured faster there), and a gradient no input needs is never computed.  The modules subclass their
-``torch.nn`` counterparts: same constructor arguments, parameters, buffers,
+measured faster there), and a gradient no input needs is never computed.  Higher-order
+derivatives (``create_graph=True``) work, by differentiating the array-API reference instead of
+the fused backward (see :mod:`portable_nn.adapters.torch` for what that costs).  The modules
+subclass their ``torch.nn`` counterparts: same constructor arguments, parameters, buffers,
 initialisation, state_dict keys and train/eval behaviour, plus the
 keyword-only options our kernels add (``activation=``, ``channel_axis=``,
 GRU ``reset_after=``).  See :mod:`portable_nn.adapters.torch` for how the ops

@@ -141,6 +141,22 @@ register_builtin(
     priority=CUPY_PRIORITY,
 )
 
+register_builtin(
+    "conv_transpose",
+    BACKEND.name,
+    forward="kernels_gpu.cuda_c.conv:conv_transpose_forward",
+    backward="kernels_gpu.cuda_c.conv:conv_transpose_backward",
+    supports=Support(
+        dtypes=("float32", "float64"),
+        layouts=("channels_first", "channels_last"),
+        mixed_precision=False,
+        description="1-3-D, batched or not, every stride/padding/output_padding/dilation/groups; conv's "
+        "cuBLAS column products + gather col2im, then the fused bias+activation epilogue",
+        **GPU_SUPPORT,
+    ),
+    priority=CUPY_PRIORITY,
+)
+
 for _op in ("rnn_cell", "lstm_cell", "gru_cell"):
     register_builtin(
         _op,

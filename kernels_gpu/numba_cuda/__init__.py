@@ -161,6 +161,22 @@ register_builtin(
     priority=NUMBA_CUDA_PRIORITY,
 )
 
+register_builtin(
+    "conv_transpose",
+    BACKEND.name,
+    forward=f"{_PKG}.conv:conv_transpose_forward",
+    backward=f"{_PKG}.conv:conv_transpose_backward",
+    supports=Support(
+        dtypes=("float16", "bfloat16", "float32", "float64"),
+        layouts=("channels_first", "channels_last"),
+        mixed_precision=True,
+        description="1-3-D, batched or not, every stride/padding/output_padding/dilation/groups; conv's CuPy "
+                    "GEMM + gather col2im, then the fused bias+activation epilogue (deterministic)",
+        **GPU_SUPPORT,
+    ),
+    priority=NUMBA_CUDA_PRIORITY,
+)
+
 for _op, _kind in (("rnn_cell", "cell"), ("lstm_cell", "cell"), ("gru_cell", "cell"),
                    ("rnn", "sequence"), ("lstm", "sequence"), ("gru", "sequence")):
     register_builtin(

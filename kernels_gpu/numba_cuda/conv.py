@@ -18,6 +18,12 @@ taps and J = Cg·Kt:
   output ``(i + pad − t·dilation) / stride`` is a whole in-range index, in a fixed order (no
   atomics).
 
+``conv_transpose`` runs the same pieces for the convolution C it transposes (its call carries
+C's geometry: C's input is conv_transpose's output y, C's weight is ``weight`` as given): y =
+act(col2im(x · W) + b) — C's input gradient at the cotangent x, then the epilogue on y's layout —
+and, with g = dy · act' (and dbias) from the same gradient kernel, dx = im2col(g) · Wᵀ (C's
+forward, no bias or activation) and dW = xᵀ · im2col(g) (C's weight gradient, output gradient x).
+
 Supported (declared in ``__init__.py``): float16/bfloat16 (float32 GEMMs, float32 params
 allowed), float32, float64; channels first and last; everything the api accepts.
 """
@@ -205,6 +211,16 @@ def _cols(plan, x, cdt):
     return cols
 
 
+def _scatter(plan, dcols, dx):
+    """col2im: ``dx`` (C's input, any float dtype) at each element = Σ of the (G, N·P, J) column
+    gradients ``dcols`` that read it."""
+    xp = rt.array_module(dcols)
+    n, block = int(dx.size), rt.settings().block
+    rt.launch(_col2im, rt.blocks_for(n, block), block, xp.ascontiguousarray(dcols).reshape(-1), dx.reshape(-1),
+              plan.geo)
+    return dx
+
+
 def _weight_groups(plan, weight, cdt):
     return rt.cast(weight, cdt).reshape(plan.groups, plan.o // plan.groups, plan.j)
 
@@ -249,9 +265,74 @@ def conv_backward(residuals, cotangents, needs, out=None):
         dw = rt.cast(xp.ascontiguousarray(dw), weight.dtype).reshape(weight.shape)
         grads["weight"] = rt.into(out, "weight", dw)
     if "x" in needs:
-        dcols = xp.ascontiguousarray(xp.matmul(gg, _weight_groups(plan, weight, cdt)))
-        dx = xp.empty(x.shape, dtype=x.dtype)
-        n, block = int(dx.size), rt.settings().block
-        rt.launch(_col2im, rt.blocks_for(n, block), block, dcols.reshape(-1), dx.reshape(-1), plan.geo)
-        grads["x"] = rt.into(out, "x", dx)
+        dcols = xp.matmul(gg, _weight_groups(plan, weight, cdt))
+        grads["x"] = rt.into(out, "x", _scatter(plan, dcols, xp.empty(x.shape, dtype=x.dtype)))
+    return grads
+
+
+# --------------------------------------------------------------------------- transposed convolution
+
+
+def _transposed_shape(call, x_shape, w_shape):
+    """conv_transpose's output shape (C's input: ``O = G · weight.shape[1]`` channels over
+    ``call.in_size``) in x's layout, batched iff x is."""
+    o, spatial = int(call.groups) * int(w_shape[1]), tuple(int(v) for v in call.in_size)
+    shape = (*spatial, o) if call.layout == "channels_last" else (o, *spatial)
+    return (int(x_shape[0]), *shape) if call.batched else shape
+
+
+def _input_view(plan):
+    """(rows, channels, inner) of C's input (conv_transpose's output) for the epilogue and the bias
+    gradient: (N, C, L) channels first, (N·L, C, 1) channels last, L = C's input positions."""
+    positions = plan.geo[0] * plan.geo[1] * plan.geo[2]
+    return (plan.n * positions, plan.c, 1) if plan.last else (plan.n, plan.c, positions)
+
+
+def conv_transpose_forward(call):
+    """y = act(col2im(x · W) + b): one batched GEMM over the groups (C's column gradients at the
+    cotangent x), the col2im gather in the compute type, then the fused epilogue."""
+    x, weight, bias = call.x, call.weight, call.bias
+    xp = rt.array_module(x)
+    name = rt.dtype_name(x)
+    cdt = rt.compute_dtype(name)
+    y_shape = _transposed_shape(call, tuple(x.shape), tuple(weight.shape))
+    plan = _Plan(call, y_shape, tuple(weight.shape))
+    dcols = xp.matmul(plan.grouped(rt.cast(x, cdt)), _weight_groups(plan, weight, cdt))
+    z = _scatter(plan, dcols, xp.empty(y_shape, dtype=cdt))
+    _, channels, inner = _input_view(plan)
+    act_ = call.activation
+    if bias is None and act_.is_identity and z.dtype == x.dtype:
+        y = z
+    else:
+        y = epilogue(z, bias, x.dtype, channels, inner, act_)
+    residuals = None
+    if call.save:
+        mode = keep_mode(act_, name)
+        kept = None if mode == KEEP_NONE else (y if mode == KEEP_OUTPUT else z)
+        residuals = (x, weight, None if bias is None else bias.dtype, kept, mode, act_, plan)
+    return (y,), residuals
+
+
+def conv_transpose_backward(residuals, cotangents, needs, out=None):
+    """g = dy · act' (+ dbias, two passes), cols = im2col(g); dx = cols · Wᵀ per group (C's
+    forward), dW = xᵀ · cols per group (C's weight gradient with output gradient x)."""
+    x, weight, bias_dtype, kept, mode, act_, plan = residuals
+    xp = rt.array_module(x)
+    cdt = rt.compute_dtype(rt.dtype_name(x))
+    rows, channels, inner = _input_view(plan)
+    dy = xp.ascontiguousarray(rt.cast(cotangents[0], x.dtype)).reshape(-1)
+    g, dbias = activation_grad(dy, kept, mode, act_, rows, channels, inner, cdt,
+                               bias_dtype if "bias" in needs else None)
+    grads = {}
+    out = out or {}
+    if "bias" in needs:
+        grads["bias"] = rt.into(out, "bias", dbias)
+    if "x" in needs or "weight" in needs:
+        cols = _cols(plan, g, cdt)
+    if "x" in needs:
+        zg = xp.matmul(cols, _weight_groups(plan, weight, cdt).transpose(0, 2, 1))
+        grads["x"] = rt.into(out, "x", rt.cast(plan.ungrouped(zg), x.dtype).reshape(x.shape))
+    if "weight" in needs:
+        dw = xp.matmul(plan.grouped(rt.cast(x, cdt)).transpose(0, 2, 1), cols)
+        grads["weight"] = rt.into(out, "weight", rt.cast(xp.ascontiguousarray(dw), weight.dtype).reshape(weight.shape))
     return grads

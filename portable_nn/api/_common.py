@@ -492,8 +492,15 @@ def make_call(
     device: str,
     dtype: str,
     layout: str | None = None,
+    input_maps: Mapping[str, dispatch.InputMap] | None = None,
 ) -> dispatch.Call:
-    """A :class:`~portable_nn.dispatch.Call` with the namespace of ``arrays``."""
+    """A :class:`~portable_nn.dispatch.Call` with the namespace of ``arrays``.
+
+    ``input_maps`` (array name -> :class:`~portable_nn.dispatch.InputMap`) are linear maps
+    dispatch applies to those arrays before the implementation runs, taking their
+    gradients back through the adjoints; ``params`` then describe the mapped arrays.
+    """
     first = next(v for v in arrays.values() if v is not None)
     xp = _arrays.namespace(first)
-    return dispatch.Call(op, arrays, params, xp=xp, family=family, device=device, dtype=dtype, layout=layout)
+    return dispatch.Call(op, arrays, params, xp=xp, family=family, device=device, dtype=dtype, layout=layout,
+                         input_maps=input_maps)

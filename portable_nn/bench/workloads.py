@@ -389,6 +389,39 @@ def _conv_workload(x_shape: tuple[int, ...], w_shape: tuple[int, ...], padding: 
     return Workload(name(x_shape[0]), ("conv",), build, name(quick_batch))
 
 
+def _conv_transpose_workload(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: int, padding: int = 0,
+                             output_padding: int = 0, quick_batch: int = 2) -> Workload:
+    """conv_transpose + bias + relu (one fused call) vs ``F.relu(F.conv_transpose2d(...))``: a U-Net
+    decoder's upsampling (kernel = stride 2) or a decoder's 3x3 stride-2 layer."""
+    geometry = {"stride": stride, "padding": padding, "output_padding": output_padding}
+
+    def build(quick: bool, place: Placement = CPU) -> Cases:
+        xs = (quick_batch, *x_shape[1:]) if quick else x_shape
+        rng = _rng()
+        x, w, b = _randn(rng, *xs), _randn(rng, *w_shape, scale=0.2), _randn(rng, w_shape[1], scale=0.1)
+        out_hw = [(s - 1) * stride - 2 * padding + k + output_padding for s, k in zip(xs[2:], w_shape[2:])]
+        dy = _randn(rng, xs[0], w_shape[1], *out_hw)
+        args, dyp = tuple(place.array(a) for a in (x, w, b)), place.array(dy)
+
+        def torch_cases() -> Phases:
+            import torch.nn.functional as F
+
+            xt, wt, bt = _tensors(place, x, w, b)
+            return _torch_phases(lambda: F.relu(F.conv_transpose2d(xt, wt, bt, **geometry)), (xt, wt, bt),
+                                 place.tensor(dy))
+
+        kwargs = {"activation": "relu", **geometry}
+        portable = lambda be: _op_phases(be, pnn.conv_transpose, args, kwargs, dyp)  # noqa: E731
+        return Cases(portable, torch_cases, {})
+
+    k = "x".join(str(d) for d in w_shape[2:])
+
+    def name(batch: int) -> str:
+        return f"conv_transpose{k} s{stride}+bias+relu {_shape((batch, *x_shape[1:]))}->{w_shape[1]}"
+
+    return Workload(name(x_shape[0]), ("conv_transpose",), build, name(quick_batch))
+
+
 def _chain(layers: Sequence[Layer], x: Any) -> tuple[Any, Callable[[Any], Any]]:
     """Run ``layers`` under ``pnn.vjp``; returns the output and a pullback giving every layer's gradients.
 
@@ -676,6 +709,8 @@ WORKLOADS = [
     _conv_workload((128, 1, 28, 28), (6, 1, 5, 5)),
     _conv_workload((128, 6, 12, 12), (16, 6, 5, 5)),
     _conv_workload((32, 64, 28, 28), (64, 64, 3, 3), padding=1, quick_batch=2),
+    _conv_transpose_workload((16, 128, 32, 32), (128, 64, 2, 2), stride=2),
+    _conv_transpose_workload((16, 64, 32, 32), (64, 32, 3, 3), stride=2, padding=1, output_padding=1),
     *(_resnet_layer_workload(*layer) for layer in RESNET_LAYERS),
     _resnet_layer_workload(64, 64, 1, 56, channels_last=True),
     _resnet_layer_workload(128, 256, 2, 28, channels_last=True),

@@ -59,7 +59,7 @@ from . import activations
 from ._common import compute_dtype, device, store
 from ._windows import window_offsets, window_slice
 
-__all__ = ["conv_backward", "conv_forward"]
+__all__ = ["conv_backward", "conv_forward", "conv_transpose_backward", "conv_transpose_forward"]
 
 
 # --------------------------------------------------------------------------- geometry
@@ -208,6 +208,39 @@ def _unbatched(xp: Any, a: Any, call: Call) -> Any:
 # --------------------------------------------------------------------------- forward
 
 
+def _correlate(xp: Any, xb: Any, w: Any, geo: _Geometry, out_channels: int) -> Any:
+    """The convolution's linear part ``z`` (batched, compute dtype): im2col, one grouped product.
+
+    ``xb`` is the batched input, ``w`` the grouped weight ``(G, O/G, C/G·K)``.
+    """
+    cols = _columns(xp, xb, geo)
+    n = int(xb.shape[0])
+    if geo.channels_last:
+        # (G, N·P, C/G·K) @ (G, C/G·K, O/G) -> (G, N·P, O/G) -> (N·P, G, O/G)
+        z = xp.matmul(xp.permute_dims(cols, (1, 0, 2)), xp.matrix_transpose(w))
+        z = xp.permute_dims(z, (1, 0, 2))
+    else:
+        # (G, O/G, C/G·K) @ (N, G, C/G·K, P) -> (N, G, O/G, P)
+        z = xp.matmul(w, cols)
+    return xp.reshape(z, _output_shape(n, out_channels, geo))
+
+
+def _kept(act: Any, a: Any, z: Any) -> Any:
+    """What the backward reads act' from: nothing for the identity, the output when act' is a
+    function of it (its float32 value for half data), else the pre-activation."""
+    if act.is_identity:
+        return None
+    return a if activations.keeps_output_only(act) else z
+
+
+def _bias_activation(xp: Any, z: Any, bias: Any, geo: _Geometry, cdt: Any, act: Any) -> tuple[Any, Any]:
+    """``(act(z + bias), kept)`` for the batched compute-dtype ``z``."""
+    if bias is not None:
+        z = z + xp.reshape(xp.astype(bias, cdt, copy=False), _bias_shape(int(bias.shape[0]), geo))
+    a = activations.apply(xp, z, act)
+    return a, _kept(act, a, z)
+
+
 def conv_forward(call: Call) -> tuple[tuple[Any], Any]:
     """im2col, one grouped matrix product, then bias and activation in the epilogue."""
     xp = call.xp
@@ -216,30 +249,10 @@ def conv_forward(call: Call) -> tuple[tuple[Any], Any]:
     cdt = compute_dtype(xp, x)
     xb = xp.astype(_batched(xp, x, call), cdt, copy=False)
     w = _grouped_weight(xp, xp.astype(weight, cdt, copy=False), geo)
-    cols = _columns(xp, xb, geo)
-    n, out_channels = int(xb.shape[0]), int(weight.shape[0])
-    if geo.channels_last:
-        # (G, N·P, C/G·K) @ (G, C/G·K, O/G) -> (G, N·P, O/G) -> (N·P, G, O/G)
-        z = xp.matmul(xp.permute_dims(cols, (1, 0, 2)), xp.matrix_transpose(w))
-        z = xp.permute_dims(z, (1, 0, 2))
-    else:
-        # (G, O/G, C/G·K) @ (N, G, C/G·K, P) -> (N, G, O/G, P)
-        z = xp.matmul(w, cols)
-    z = xp.reshape(z, _output_shape(n, out_channels, geo))
-    if bias is not None:
-        z = z + xp.reshape(xp.astype(bias, cdt, copy=False), _bias_shape(out_channels, geo))
-    act = call.activation
-    a = activations.apply(xp, z, act)
+    z = _correlate(xp, xb, w, geo, int(weight.shape[0]))
+    a, kept = _bias_activation(xp, z, bias, geo, cdt, call.activation)
     y = _unbatched(xp, xp.astype(a, x.dtype, copy=False), call)
-    residuals = None
-    if call.save:
-        if act.is_identity:
-            kept = None  # the derivative is 1: nothing to keep
-        elif activations.keeps_output_only(act):
-            kept = a  # act' is a function of y: the output (itself, unless half data: then its float32 value)
-        else:
-            kept = z  # the pre-activation
-        residuals = (x, weight, bias, kept, call.replace(arrays={}))
+    residuals = (x, weight, bias, kept, call.replace(arrays={})) if call.save else None
     return (y,), residuals
 
 
@@ -297,6 +310,49 @@ def _scatter(xp: Any, dcols: list[tuple[tuple[int, ...], Any]], geo: _Geometry, 
     return buffer[geo.interior()] if geo.padded() else buffer
 
 
+def _grouped_gradient(xp: Any, g: Any, geo: _Geometry, out_channels: int) -> Any:
+    """The batched output gradient grouped for the products: channels first ``(N, G, O/G, P)``,
+    channels last ``(G, N·P, O/G)``."""
+    n, groups = int(g.shape[0]), geo.groups
+    og, positions = out_channels // groups, geo.positions()
+    if geo.channels_last:
+        return xp.permute_dims(xp.reshape(g, (n * positions, groups, og)), (1, 0, 2))
+    return xp.reshape(g, (n, groups, og, positions))
+
+
+def _weight_gradient(xp: Any, gg: Any, xb: Any, geo: _Geometry, weight_shape: tuple[int, ...]) -> Any:
+    """dweight: the correlation of the grouped output gradient ``gg`` with the batched input ``xb``."""
+    cols = _columns(xp, xb, geo)
+    if geo.channels_last:
+        # (G, O/G, N·P) @ (G, N·P, C/G·K) -> (G, O/G, C/G·K)
+        dw = xp.matmul(xp.matrix_transpose(gg), xp.permute_dims(cols, (1, 0, 2)))
+    else:
+        # Σ_n (N, G, O/G, P) @ (N, G, P, C/G·K) -> (G, O/G, C/G·K)
+        dw = xp.sum(xp.matmul(gg, xp.matrix_transpose(cols)), axis=0)
+    return xp.reshape(dw, weight_shape)
+
+
+def _input_gradient(xp: Any, gg: Any, w: Any, geo: _Geometry, x_shape: tuple[int, ...]) -> Any:
+    """dx (batched, ``x_shape``): the transposed convolution of the grouped output gradient ``gg``
+    with the grouped weight ``w`` — column gradients, then their scatter."""
+    n = int(x_shape[0])
+    channels, taps = int(x_shape[geo.channel_axis]), geo.taps()
+    if geo.channels_last:
+        # (G, N·P, O/G) @ (G, O/G, C/G·K) -> (G, N·P, C/G·K) -> (N, *O, C, K)
+        dcols = xp.permute_dims(xp.matmul(gg, w), (1, 0, 2))
+        dcols = xp.reshape(dcols, (n, *geo.out_size, channels, taps))
+        parts = [(t, dcols[..., j]) for j, t in enumerate(geo.offsets())]
+    else:
+        # (G, C/G·K, O/G) @ (N, G, O/G, P) -> (N, G, C/G·K, P) -> (N, C, K, *O)
+        dcols = xp.reshape(xp.matmul(xp.matrix_transpose(w), gg), (n, channels, taps, *geo.out_size))
+        parts = [(t, dcols[:, :, j, ...]) for j, t in enumerate(geo.offsets())]
+    return _scatter(xp, parts, geo, x_shape)
+
+
+def _channel_sums(xp: Any, g: Any, geo: _Geometry) -> Any:
+    return xp.sum(g, axis=tuple(a for a in range(geo.ndim) if a != geo.channel_axis))
+
+
 def conv_backward(residuals: Any, cotangents: tuple[Any], needs: frozenset[str], out: dict) -> dict:
     """dbias, dweight and dx (the transposed convolution); see the module docstring."""
     x, weight, bias, kept, call = residuals
@@ -306,44 +362,73 @@ def conv_backward(residuals: Any, cotangents: tuple[Any], needs: frozenset[str],
     g = _activation_gradient(xp, cotangents[0], kept, call, cdt)
     grads: dict[str, Any] = {}
     if "bias" in needs:
-        axes = tuple(a for a in range(geo.ndim) if a != geo.channel_axis)
-        grads["bias"] = store(out, "bias", xp.astype(xp.sum(g, axis=axes), bias.dtype, copy=False))
+        grads["bias"] = store(out, "bias", xp.astype(_channel_sums(xp, g, geo), bias.dtype, copy=False))
     if "weight" not in needs and "x" not in needs:
         return grads
-
-    n, out_channels, groups = int(g.shape[0]), int(weight.shape[0]), geo.groups
-    og, positions = out_channels // groups, geo.positions()
-    if geo.channels_last:
-        g = xp.permute_dims(xp.reshape(g, (n * positions, groups, og)), (1, 0, 2))  # (G, N·P, O/G)
-    else:
-        g = xp.reshape(g, (n, groups, og, positions))  # (N, G, O/G, P)
-
+    gg = _grouped_gradient(xp, g, geo, int(weight.shape[0]))
     if "weight" in needs:
         xb = xp.astype(_batched(xp, x, call), cdt, copy=False)
-        cols = _columns(xp, xb, geo)
-        if geo.channels_last:
-            # (G, O/G, N·P) @ (G, N·P, C/G·K) -> (G, O/G, C/G·K)
-            dw = xp.matmul(xp.matrix_transpose(g), xp.permute_dims(cols, (1, 0, 2)))
-        else:
-            # Σ_n (N, G, O/G, P) @ (N, G, P, C/G·K) -> (G, O/G, C/G·K)
-            dw = xp.sum(xp.matmul(g, xp.matrix_transpose(cols)), axis=0)
-        dw = xp.reshape(dw, tuple(weight.shape))
+        dw = _weight_gradient(xp, gg, xb, geo, tuple(weight.shape))
         grads["weight"] = store(out, "weight", xp.astype(dw, weight.dtype, copy=False))
-
     if "x" in needs:
         w = _grouped_weight(xp, xp.astype(weight, cdt, copy=False), geo)
-        x_shape = (n, *x.shape) if not call.batched else tuple(x.shape)
-        channels, taps = int(x_shape[geo.channel_axis]), geo.taps()
-        if geo.channels_last:
-            # (G, N·P, O/G) @ (G, O/G, C/G·K) -> (G, N·P, C/G·K) -> (N, *O, C, K)
-            dcols = xp.permute_dims(xp.matmul(g, w), (1, 0, 2))
-            dcols = xp.reshape(dcols, (n, *geo.out_size, channels, taps))
-            parts = [(t, dcols[..., j]) for j, t in enumerate(geo.offsets())]
-        else:
-            # (G, C/G·K, O/G) @ (N, G, O/G, P) -> (N, G, C/G·K, P) -> (N, C, K, *O)
-            dcols = xp.reshape(xp.matmul(xp.matrix_transpose(w), g), (n, channels, taps, *geo.out_size))
-            parts = [(t, dcols[:, :, j, ...]) for j, t in enumerate(geo.offsets())]
-        dx = _scatter(xp, parts, geo, x_shape)
-        dx = _unbatched(xp, xp.astype(dx, x.dtype, copy=False), call)
-        grads["x"] = store(out, "x", dx)
+        x_shape = (int(g.shape[0]), *x.shape) if not call.batched else tuple(x.shape)
+        dx = _input_gradient(xp, gg, w, geo, x_shape)
+        grads["x"] = store(out, "x", _unbatched(xp, xp.astype(dx, x.dtype, copy=False), call))
+    return grads
+
+
+# --------------------------------------------------------------------------- transposed convolution
+#
+# conv_transpose's Call carries the geometry of the convolution it transposes (C): C's input is
+# conv_transpose's output y, C's output its input x, and the weight is C's own.  So
+#
+#     y      = act(Cᵀ x + bias)            C's input gradient at the cotangent x
+#     dx     = C g                         g = dy · act'; C's forward (no bias, identity)
+#     dw     = C's weight gradient with input g and output gradient x
+#     dbias  = Σ g
+
+
+def _transposed_shape(n: int, out_channels: int, geo: _Geometry) -> tuple[int, ...]:
+    """The batched shape of conv_transpose's output (C's input)."""
+    if geo.channels_last:
+        return (n, *geo.in_size, out_channels)
+    return (n, out_channels, *geo.in_size)
+
+
+def conv_transpose_forward(call: Call) -> tuple[tuple[Any], Any]:
+    """y = act(Cᵀ x + bias): the column products and scatter of C's input gradient, then the epilogue."""
+    xp = call.xp
+    x, weight, bias = call.x, call.weight, call.bias
+    geo = _Geometry(call)
+    cdt = compute_dtype(xp, x)
+    xb = xp.astype(_batched(xp, x, call), cdt, copy=False)
+    w = _grouped_weight(xp, xp.astype(weight, cdt, copy=False), geo)
+    out_channels = geo.groups * int(weight.shape[1])
+    z = _input_gradient(xp, _grouped_gradient(xp, xb, geo, int(weight.shape[0])), w, geo,
+                        _transposed_shape(int(xb.shape[0]), out_channels, geo))
+    a, kept = _bias_activation(xp, z, bias, geo, cdt, call.activation)
+    y = _unbatched(xp, xp.astype(a, x.dtype, copy=False), call)
+    residuals = (x, weight, bias, kept, call.replace(arrays={})) if call.save else None
+    return (y,), residuals
+
+
+def conv_transpose_backward(residuals: Any, cotangents: tuple[Any], needs: frozenset[str], out: dict) -> dict:
+    """dbias = Σ g, dx = C g, dweight = C's weight gradient of (g, x); see above."""
+    x, weight, bias, kept, call = residuals
+    xp = call.xp
+    geo = _Geometry(call)
+    cdt = compute_dtype(xp, x)
+    g = _activation_gradient(xp, cotangents[0], kept, call, cdt)
+    grads: dict[str, Any] = {}
+    if "bias" in needs:
+        grads["bias"] = store(out, "bias", xp.astype(_channel_sums(xp, g, geo), bias.dtype, copy=False))
+    if "x" in needs:
+        w = _grouped_weight(xp, xp.astype(weight, cdt, copy=False), geo)
+        dx = _correlate(xp, g, w, geo, int(weight.shape[0]))
+        grads["x"] = store(out, "x", _unbatched(xp, xp.astype(dx, x.dtype, copy=False), call))
+    if "weight" in needs:
+        xb = xp.astype(_batched(xp, x, call), cdt, copy=False)
+        dw = _weight_gradient(xp, _grouped_gradient(xp, xb, geo, int(weight.shape[0])), g, geo, tuple(weight.shape))
+        grads["weight"] = store(out, "weight", xp.astype(dw, weight.dtype, copy=False))
     return grads

@@ -71,6 +71,13 @@ def _conv(x, args, kw):
                    dilation=_arg(args, kw, 4, "dilation", 1), groups=_arg(args, kw, 5, "groups", 1))
 
 
+def _conv_transpose(x, args, kw):
+    return pt.conv_transpose(x, _arg(args, kw, 0, "weight", None), _arg(args, kw, 1, "bias", None),
+                             stride=_arg(args, kw, 2, "stride", 1), padding=_arg(args, kw, 3, "padding", 0),
+                             output_padding=_arg(args, kw, 4, "output_padding", 0),
+                             groups=_arg(args, kw, 5, "groups", 1), dilation=_arg(args, kw, 6, "dilation", 1))
+
+
 def _per_axis(value: Any, d: int) -> Any:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,) * d
 
@@ -153,6 +160,9 @@ OURS: dict[str, Callable] = {
     "nn.functional.conv1d": _conv,
     "nn.functional.conv2d": _conv,
     "nn.functional.conv3d": _conv,
+    "nn.functional.conv_transpose1d": _conv_transpose,
+    "nn.functional.conv_transpose2d": _conv_transpose,
+    "nn.functional.conv_transpose3d": _conv_transpose,
     "nn.functional.linear": lambda x, args, kw: pt.dense(x, args[0], args[1] if len(args) > 1 else kw.get("bias")),
     "nn.functional.max_pool1d": _max_pool(1),
     "nn.functional.max_pool2d": _max_pool(2),

@@ -73,9 +73,14 @@ GEOMS = {
 
 
 
-def _torch_padding(padding: Any, d: int) -> tuple[Any, tuple[int, ...]]:
+def _torch_padding(padding: Any, d: int, geom: dict | None = None) -> tuple[Any, tuple[int, ...]]:
     """(padding for torch's conv, F.pad widths): strings go to torch as they are; numbers
-    are expanded to (low, high) pairs here and applied with F.pad."""
+    are expanded to (low, high) pairs here and applied with F.pad.  With a ``geom`` whose
+    ``padding_mode`` is not zeros, "same" is expanded too (as torch.nn.Conv2d does), since
+    F.pad then applies all of it with the mode."""
+    if padding == "same" and geom is not None and geom.get("padding_mode", "zeros") != "zeros":
+        totals = [dl * (k - 1) for k, dl in zip(geom["kernel"], _per_axis(geom["dilation"], d))]
+        padding = tuple((t // 2, t - t // 2) for t in totals)
     if isinstance(padding, str):
         return padding, (0,) * (2 * d)
     entries = padding if isinstance(padding, tuple) else (padding,) * d
@@ -86,14 +91,20 @@ def _torch_padding(padding: Any, d: int) -> tuple[Any, tuple[int, ...]]:
     return 0, tuple(widths)
 
 
+def _per_axis(value: Any, d: int) -> tuple[int, ...]:
+    return tuple(value) if isinstance(value, tuple) else (value,) * d
+
+
 def torch_conv(x64, w64, b64, dy64, geom, act_label):
-    """PyTorch's output and gradients (x, weight, bias), float64, batched channels-first."""
+    """PyTorch's output and gradients (x, weight, bias), float64, batched channels-first
+    (``geom["padding_mode"]``, when given, pads with F.pad as torch.nn.Conv2d does)."""
     d = len(geom["kernel"])
     xt = torch.tensor(x64, requires_grad=True)
     wt = torch.tensor(w64, requires_grad=True)
     bt = None if b64 is None else torch.tensor(b64, requires_grad=True)
-    padding, widths = _torch_padding(geom["padding"], d)
-    xin = F.pad(xt, widths) if any(widths) else xt
+    padding, widths = _torch_padding(geom["padding"], d, geom)
+    mode = geom.get("padding_mode", "zeros")
+    xin = F.pad(xt, widths, mode="constant" if mode == "zeros" else mode) if any(widths) else xt
     z = TORCH_CONV[d](
         xin, wt, bt, stride=geom["stride"], padding=padding, dilation=geom["dilation"], groups=geom["groups"]
     )
@@ -114,10 +125,13 @@ def _data(geom, rng, bias=True):
 
 
 def _conv_kwargs(geom, layout="first", act="identity"):
-    return dict(
+    kwargs = dict(
         stride=geom["stride"], padding=geom["padding"], dilation=geom["dilation"], groups=geom["groups"],
         activation=activation_arg(act), channel_axis=-1 if layout == "last" else 1,
     )
+    if "padding_mode" in geom:
+        kwargs["padding_mode"] = geom["padding_mode"]
+    return kwargs
 
 
 def _run_case(case, geom, layout, batched, act, bias, seed):
@@ -181,10 +195,11 @@ def test_conv_every_activation_matches_torch(case, act, layout):
     _run_case(case, GEOMS[geom], layout, True, act, True, seed=5)
 
 
+@pytest.mark.parametrize("mode", ["zeros", "reflect"])
 @pytest.mark.parametrize("layout", ["first", "last"])
 @pytest.mark.parametrize("case", cases("conv", mixed=False))
-def test_zero_batch(case, layout):
-    geom = GEOMS["2d-k3x2-s2-d2-g2-asym"]
+def test_zero_batch(case, layout, mode):
+    geom = dict(GEOMS["2d-k3x2-s2-d2-g2-asym"], padding_mode=mode)
     rng = np.random.default_rng(0)
     _, w64, b64 = _data(geom, rng)
     x64 = np.zeros((0, geom["c"], *geom["spatial"]))
@@ -209,15 +224,92 @@ def test_same_padding_keeps_the_size_and_puts_the_extra_on_the_high_side():
     assert_close(y, F.conv1d(torch.tensor(x), torch.tensor(w), padding="same").numpy(), 0.0)
 
 
+# --------------------------------------------------------------------------- padding modes
+
+#: Geometries for the padding modes, each within every mode's limits: asymmetric padding with a
+#: stride, "same" with a dilation and groups, and 3-D padding as large as reflect allows (its two
+#: borders then read the same positions; replicate's border repeats one position three times).
+MODE_GEOMS = {
+    "1d-k3-s2-asym": dict(n=2, c=2, o=3, spatial=(6,), kernel=(3,), stride=2, padding=((2, 1),), dilation=1,
+                          groups=1),
+    "2d-same-d2-g2": dict(n=1, c=4, o=2, spatial=(5, 4), kernel=(3, 2), stride=1, padding="same", dilation=(2, 1),
+                          groups=2),
+    "3d-pad-to-the-limit": dict(n=2, c=2, o=2, spatial=(3, 4, 2), kernel=(2, 2, 2), stride=(1, 2, 1),
+                                padding=(2, (0, 3), 1), dilation=1, groups=1),
+}
+MODES = ("reflect", "replicate", "circular")
+
+_MODE_GRID = grid({"mode": list(MODES), "geom": list(MODE_GEOMS), "layout": ["first", "last"],
+                   "batched": [True, False]})
+
+
+@pytest.mark.parametrize("case", cases("conv"))
+@pytest.mark.parametrize("cfg", _MODE_GRID)
+def test_padding_modes_match_torch(case, cfg):
+    """Output and gradients against torch.nn's way: F.pad with the mode, then an unpadded convolution."""
+    geom = dict(MODE_GEOMS[cfg["geom"]], padding_mode=cfg["mode"])
+    _run_case(case, geom, cfg["layout"], cfg["batched"], "gelu", True, seed=11)
+
+
+@pytest.mark.parametrize("case", cases("conv", mixed=False))
+@pytest.mark.parametrize("mode", MODES)
+def test_padding_at_the_limits_matches_torch(case, mode):
+    """The largest padding each mode takes (reflect L − 1, circular L, replicate any: 2L here),
+    where one position feeds several border positions, and the gradient must sum them all."""
+    length = 3
+    pad = {"reflect": length - 1, "circular": length, "replicate": 2 * length}[mode]
+    geom = dict(n=2, c=2, o=2, spatial=(length, 2), kernel=(2, 1), stride=1, padding=((pad, 1), 0), dilation=1,
+                groups=1, padding_mode=mode)
+    for layout in ("first", "last"):
+        _run_case(case, geom, layout, True, "identity", True, seed=2)
+
+
+def test_padding_modes_beyond_the_limits_are_refused_before_any_work():
+    x = np.arange(3.0)[None, None]
+    w = np.ones((1, 1, 1))
+    conv(x, w, padding=2, padding_mode="reflect")
+    conv(x, w, padding=3, padding_mode="circular")
+    conv(x, w, padding=9, padding_mode="replicate")
+    with pytest.raises(ValueError, match=r"padding_mode='reflect' needs padding smaller than x's size"):
+        conv(x, w, padding=3, padding_mode="reflect")
+    with pytest.raises(ValueError, match=r"padding_mode='circular' needs padding at most x's size"):
+        conv(x, w, padding=((0, 4),), padding_mode="circular")
+
+
+def test_padding_mode_explained_with_the_convolution_backend():
+    """explain names the convolution's implementation and the padding applied before it; a strided
+    x is not copied for the kernel (the padded x is a new array)."""
+    x = np.zeros((1, 2, 5, 6)).transpose(0, 2, 3, 1)  # channels last, non-contiguous
+    w = np.zeros((3, 2, 3, 3))
+    with pnn.use_backend("numba"):
+        report = pnn.explain(conv, x, w, padding=(1, (0, 2)), padding_mode="replicate", channel_axis=-1)
+    assert report.implementation == "conv[numba]"
+    assert "x" not in report.copies
+    assert "input map: x padded with padding_mode='replicate' (axis 1: (1, 1), axis 2: (0, 2))" in str(report)
+    plain = pnn.explain(conv, x, w, padding=(1, (0, 2)), channel_axis=-1)
+    assert "input map" not in str(plain)
+
+
+def test_padding_mode_pullback_plumbing():
+    """out= buffers have x's shape (not the padded x's), wrt skips what is not asked, repeated pullbacks."""
+    geom = dict(MODE_GEOMS["2d-same-d2-g2"], padding_mode="circular")
+    rng = np.random.default_rng(6)
+    x, w, b = _data(geom, rng)
+    kwargs = _conv_kwargs(geom, "first", "tanh")
+    y, pullback = pnn.vjp(conv, x, w, b, **kwargs)
+    dy = rng.standard_normal(y.shape)
+    grads = check_pullback_plumbing(pullback, dy, {"x": x, "weight": w, "bias": b})
+    assert grads.x.shape == x.shape
+    _, pb_x = pnn.vjp(conv, x, w, b, wrt="x", **kwargs)
+    only_x = pb_x(dy, out={"x": np.empty_like(x)})
+    assert only_x.weight is None and only_x.bias is None
+    np.testing.assert_array_equal(only_x.x, grads.x)
+
+
 # --------------------------------------------------------------------------- finite differences
 
 
-@pytest.mark.parametrize(
-    "geom_name, layout, act",
-    [("2d-k3x2-s2-d2-g2-asym", "last", "gelu"), ("3d-k2x3x2-s2x1x2-d1x2x1-g2", "first", "silu")],
-)
-def test_directional_derivatives(geom_name, layout, act):
-    geom = GEOMS[geom_name]
+def _directional_check(geom, layout, act):
     rng = np.random.default_rng(21)
     x64, w64, b64 = _data(geom, rng)
     x = to_layout(x64, layout, True)
@@ -232,6 +324,19 @@ def test_directional_derivatives(geom_name, layout, act):
         dy,
         directions=3,
     )
+
+
+@pytest.mark.parametrize(
+    "geom_name, layout, act",
+    [("2d-k3x2-s2-d2-g2-asym", "last", "gelu"), ("3d-k2x3x2-s2x1x2-d1x2x1-g2", "first", "silu")],
+)
+def test_directional_derivatives(geom_name, layout, act):
+    _directional_check(GEOMS[geom_name], layout, act)
+
+
+@pytest.mark.parametrize("mode, layout", [("reflect", "last"), ("replicate", "first"), ("circular", "last")])
+def test_padding_mode_directional_derivatives(mode, layout):
+    _directional_check(dict(MODE_GEOMS["3d-pad-to-the-limit"], padding_mode=mode), layout, "silu")
 
 
 # --------------------------------------------------------------------------- implementation details
@@ -337,6 +442,8 @@ def test_torch_results_have_no_autograd_history():
     w = torch.randn(4, 3, 3, 3, dtype=torch.float64, requires_grad=True)
     y = conv(x, w, activation="relu")
     assert isinstance(y, torch.Tensor) and not y.requires_grad
+    padded = conv(x, w, padding=1, padding_mode="reflect")  # the padding before dispatch records nothing either
+    assert not padded.requires_grad
 
 
 def test_unbatched_matches_batch_of_one():
@@ -381,6 +488,17 @@ _W = np.zeros((6, 2, 3, 3))
         ((_X, _W), {"groups": 2, "padding": ((1, 2, 3), 1)}, ValueError, r"\(low, high\) pair"),
         ((_X, _W), {"groups": 2, "padding": "full"}, ValueError, "unknown padding mode 'full'"),
         ((_X, _W), {"groups": 2, "padding": "same", "stride": (1, 2)}, ValueError, "'same' needs stride=1"),
+        ((_X, _W), {"groups": 2, "padding_mode": "mirror"}, ValueError,
+         "padding_mode must be one of 'zeros', 'reflect'"),
+        ((_X, _W), {"groups": 2, "padding_mode": 0}, TypeError, "padding_mode must be a string"),
+        ((_X, _W), {"groups": 2, "padding": (1, (0, 5)), "padding_mode": "reflect"}, ValueError,
+         r"padding_mode='reflect' needs padding smaller than .* got padding \(0, 5\) on spatial axis 1 of size 5"),
+        ((_X, _W), {"groups": 2, "padding": (7, 0), "padding_mode": "circular"}, ValueError,
+         r"padding_mode='circular' needs padding at most .* \(7, 7\) on spatial axis 0 of size 6"),
+        ((np.zeros((1, 1, 2)), np.zeros((1, 1, 5))), {"padding": "same", "padding_mode": "reflect"}, ValueError,
+         r"padding_mode='reflect' .* padding \(2, 2\) on spatial axis 0 of size 2"),
+        ((np.zeros((1, 2, 0)), np.zeros((1, 2, 1))), {"padding": 1, "padding_mode": "replicate"}, ValueError,
+         "padding_mode='replicate' needs a non-empty spatial axis"),
         ((_X, _W), {"groups": 2, "dilation": 3}, ValueError, "larger than x's padded size"),
         ((_X, np.zeros((6, 2, 7, 1))), {"groups": 2}, ValueError, r"kernel size 7 on spatial axis 0"),
         ((np.zeros((4, 3)), np.zeros((2, 4, 2))), {"padding": ((0, 1),), "dilation": 4}, ValueError,

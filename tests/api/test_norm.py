@@ -7,7 +7,7 @@ float16/bfloat16 cases are compared fairly, with the case's tolerance (1e-10 for
 test runs over every (array library, backend, dtype) that declares the op (``cases``) times a
 pairwise argument grid; the full Cartesian grids are marked ``slow``.
 
-Then: directional finite differences, float32 stability for data with a large offset, zero-size
+Then: directional finite differences, float32 and float16/bfloat16 stability for data with a large offset, zero-size
 batches, the vjp plumbing (``wrt``, ``out`` buffers, repeated and ``None`` cotangents), results
 without autograd history on torch, and every validation error (type, message naming the
 argument, nothing mutated).
@@ -746,6 +746,49 @@ def test_float32_statistics_with_large_offset(op, case, offset):
     err, naive_err = _stability_errors(op, x32, result)
     assert err <= 1e-3, f"{op}: error {err:.2e} vs the float64 result on the same data"
     assert not naive_err <= 1e-3, f"naive E[x²]−E[x]² should fail this check (error {naive_err:.2e})"
+
+
+#: Significand bits after the point of each half type (its unit in the last place is 2^(e − bits)).
+_HALF_BITS = {"float16": 10, "bfloat16": 7}
+#: Half-precision data far from zero: mean 1e3, a spread of two float16 / one bfloat16 units in the last place.
+_HALF_OFFSETS = {"float16": (1e3, 1.0), "bfloat16": (1e3, 4.0)}
+
+
+def _ulp(v: np.ndarray, dtype: str) -> np.ndarray:
+    """The spacing of ``dtype`` at each |v| (float64), the smallest subnormal spacing at least."""
+    bits = _HALF_BITS[dtype]
+    tiny = 2.0 ** (-14 - bits) if dtype == "float16" else 2.0 ** (-126 - bits)
+    e = np.floor(np.log2(np.maximum(np.abs(v), tiny)))
+    return np.maximum(2.0 ** (e - bits), tiny)
+
+
+def _rounded(a: np.ndarray, dtype: str) -> np.ndarray:
+    """``a`` rounded to the half type ``dtype`` (to nearest even), back in float64."""
+    import ml_dtypes
+
+    return a.astype(np.float16 if dtype == "float16" else ml_dtypes.bfloat16).astype(np.float64)
+
+
+@pytest.mark.parametrize("op, case", [p for d in HALF for p in op_cases([o for o in _STABLE if o != "moments"],
+                                                                        dtype=d)])
+def test_half_statistics_with_large_offset(op, case):
+    """float16/bfloat16 data at mean 1e3, a spread of a few units in the last place: every output
+    element is within one unit in the last place of the exact (float64) normalisation of the same
+    data; statistics held in the data's own type — even correctly rounded ones — are not."""
+    shape, _, view, axes = _STABLE[op]
+    mean, std = _HALF_OFFSETS[case.dtype]
+    x = case.asarray(np.random.default_rng(4).normal(mean, std, shape))
+    x64 = to_numpy(x)  # the values the case holds, exactly
+    with case.use():
+        result = to_numpy(_STABLE[op][1](x))
+    v64 = view(x64)
+    mean64, var64 = v64.mean(axis=axes, keepdims=True), v64.var(axis=axes, keepdims=True)
+    y64 = _normalise(v64, mean64, var64, shape)
+    ulp = np.maximum(_ulp(y64, case.dtype), _ulp(result, case.dtype))
+    worst = float(np.max(np.abs(result - y64) / ulp))
+    assert worst <= 1.0, f"{op}: an element is {worst:.2f} units in the last place from the float64 result"
+    naive = _normalise(v64, _rounded(mean64, case.dtype), _rounded(var64, case.dtype), shape)
+    assert not np.all(np.abs(naive - y64) <= _ulp(y64, case.dtype)), f"{case.dtype} statistics should fail"
 
 
 #: moments' reduction patterns (each a different path of the kernels): columns, rows, all axes, the

@@ -1,5 +1,6 @@
 """The JAX adapter's machinery: call signatures, routes (host callback or traced reference), the
-``custom_vjp`` plans around a host callback, ``explain`` and ``reference_autodiff``."""
+plans around a host callback, the derivatives (a ``custom_jvp`` whose tangent is a linear primitive
+transposed by the route's backward), ``explain`` and ``reference_autodiff``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ import numpy as np
 try:
     import jax
     import jax.numpy as jnp
-    from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+    from jax.core import ShapedArray
+    from jax.custom_derivatives import SymbolicZero
+    from jax.extend.core import Primitive
+    from jax.interpreters import ad, batching, mlir
 except ImportError as exc:  # pragma: no cover - exercised only without JAX
     raise ImportError("portable_nn.jax needs JAX: pip install jax") from exc
 
@@ -194,6 +198,9 @@ class _Plan:
                 "pass return_stats=True to get (y, new_running_mean, new_running_var)"
             )
         self.route = _choose_route(self.prepared, op)
+        #: Lengths read at run time (callback route): the reference, which reads them at trace time,
+        #: cannot give this call's derivatives beyond the first reverse-mode one.
+        self.traced_lengths = "lengths" in arrays
         if self.route.kind == TRACED and "lengths" in arrays:
             raise TypeError(
                 f"{op}: lengths is a traced value, but the traced reference reads the lengths at trace time; "
@@ -231,7 +238,7 @@ class _Plan:
 
     def _reference_call(self, leaves: list[Any], save: bool) -> dispatch.Call:
         """The prepared call with the stand-ins swapped for ``leaves`` and jax.numpy as namespace."""
-        by_id = {id(s): v for s, v in zip(self.standins, leaves)}
+        by_id = {id(s): v for s, v in zip(self.standins, _jax_values(leaves))}
         arrays = {}
         for name, value in self.prepared.call.arrays.items():
             if value is not None and id(value) not in by_id:  # pragma: no cover - a prepare that copies
@@ -240,13 +247,15 @@ class _Plan:
         return self.prepared.call.replace(arrays=arrays, xp=jnp, family="jax", save=save)
 
     def _traced_forward(self, leaves: list[Any], save: bool) -> tuple[tuple[Any, ...], Any]:
-        outputs, residuals = self._reference.forward_fn()(self._reference_call(leaves, save))
+        # The call's input maps (conv's padding modes) are traced too, as dispatch would apply them.
+        outputs, residuals = self._reference.forward_fn()(self._reference_call(leaves, save).mapped())
         return tuple(outputs), residuals
 
     def _traced_backward(self, leaves: list[Any], needs: frozenset[str], cts: list[Any]) -> dict[str, Any]:
         outputs, residuals = self._traced_forward(leaves, save=True)
         full = tuple(jnp.zeros_like(outputs[i]) if ct is None else ct for i, ct in enumerate(cts))
-        return self._reference.backward_fn()(residuals, full, needs, {})
+        grads = self._reference.backward_fn()(residuals, full, needs, {})
+        return dispatch.adjoin_gradients(self.prepared.call.input_maps, jnp, grads)
 
     # ---- host callback
 
@@ -331,7 +340,7 @@ class _Plan:
             flat.extend(_aligned_leaves(self.templates[name], grads.get(name) if name in needs else None))
         return flat
 
-    # ---- entry points used by the custom_vjp
+    # ---- entry points used by the custom_jvp (see the derivatives section)
 
     def forward(self, leaves: list[Any]) -> tuple[Any, ...]:
         """The implementation's outputs (``None`` where it has none, e.g. untracked running statistics)."""
@@ -345,6 +354,43 @@ class _Plan:
             return self._grad_leaves(self._traced_backward(leaves, needs, cts), needs)
         return self._host_backward(leaves, needs, cts)
 
+    def kernel_vjp(self, leaves: list[Any], mask: tuple[int, ...], cts: list[Any]) -> list[Any]:
+        """x̄ₖ = Σᵢ (∂yᵢ/∂xₖ)ᵀ ȳᵢ for the leaves k in ``mask``, given a cotangent ȳᵢ per differentiable
+        output, by the route's backward (the fused kernels, or the reference's hand-written backward)."""
+        grads = self.backward(leaves, frozenset(self.leaf_fields[k] for k in mask), _jax_values(cts))
+        return [jnp.zeros(self.leaf_structs[k].shape, self.leaf_structs[k].dtype) if grads[k] is None else grads[k]
+                for k in mask]
+
+    def _reference_outputs(self, leaves: list[Any], mask: tuple[int, ...], moving: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The differentiable outputs y by the traced reference, the leaves at ``mask`` set to ``moving``."""
+        if self.traced_lengths:
+            raise TypeError(
+                f"{self.op}: lengths is a traced value, which the reference (that forward-mode and higher-order "
+                "derivatives differentiate) reads at trace time; pass concrete lengths (a NumPy array or tuple "
+                "closed over, or a static argument) — first-order jax.grad works with traced lengths")
+        full = list(leaves)
+        for k, value in zip(mask, moving):
+            full[k] = value
+        return self._traced_forward(full, save=False)[0][: self.n_diff]
+
+    def reference_jvp(self, leaves: list[Any], mask: tuple[int, ...], tangents: list[Any]) -> tuple[Any, ...]:
+        """ẏᵢ = Σₖ (∂yᵢ/∂xₖ) ẋₖ over the leaves k in ``mask``: JAX's forward mode through the traced reference."""
+        return jax.jvp(lambda *moving: self._reference_outputs(leaves, mask, moving),
+                       tuple(leaves[k] for k in mask), tuple(_jax_values(tangents)))[1]
+
+    def reference_vjp(self, leaves: list[Any], mask: tuple[int, ...], cts: list[Any]) -> list[Any]:
+        """What :meth:`kernel_vjp` computes, by JAX's reverse mode through the traced reference (which JAX
+        can differentiate again)."""
+        _, pullback = jax.vjp(lambda *moving: self._reference_outputs(leaves, mask, moving),
+                              *(leaves[k] for k in mask))
+        return list(pullback(tuple(_jax_values(cts))))
+
+
+def _jax_values(values: list[Any]) -> list[Any]:
+    """``values`` with NumPy arrays made JAX arrays: an eagerly evaluated derivative rule gets JAX's own
+    constants (zero cotangents …) as NumPy subclasses, and the reference asks arrays for their device."""
+    return [jnp.asarray(v) if isinstance(v, np.ndarray) else v for v in values]
+
 
 def _aligned_leaves(template: Any, value: Any) -> Iterator[Any]:
     """The entries of ``value`` at the leaf positions of ``template`` (a field with numbered leaves)."""
@@ -357,49 +403,173 @@ def _aligned_leaves(template: Any, value: Any) -> Iterator[Any]:
     yield value
 
 
-# --------------------------------------------------------------------------- the custom_vjp
+# --------------------------------------------------------------------------- derivatives
+#
+# Every op is a ``jax.custom_jvp`` (``_apply``): its primal is the route's forward, and its tangent
+# ẏ = J ẋ (J the Jacobian of the differentiable outputs) is ``_tangent_p``, a primitive linear in ẋ:
+#
+# * evaluated (forward mode: ``jax.jvp``, ``jax.jacfwd``) it is JAX's forward mode through the
+#   traced reference;
+# * transposed (reverse mode: ``jax.grad`` linearises the op and transposes ẏ = J ẋ) it is
+#   ``_kernel_vjp``, x̄ = Jᵀ ȳ by the route's backward: the fused kernels through a callback, or the
+#   reference's hand-written backward — what the plain ``custom_vjp`` ran before forward mode;
+# * differentiated (forward over forward, reverse over forward) in its primal inputs it is JAX's
+#   derivative of the reference's forward mode;
+# * vmapped, it keeps its batch axes as parameters and vmaps both the reference and the backward.
+#
+# ``_kernel_vjp`` is itself a ``custom_jvp`` whose tangent is JAX's forward mode through the
+# reference's reverse mode, so a gradient (the transpose) can be differentiated again (``jax.grad``
+# of ``jax.grad``, ``jax.hessian``).  JAX's own ``linear_call`` has this shape but no batching rule
+# and no derivative with respect to its residuals (JAX 0.10), hence the primitive.
+#
+# Cost: a first-order ``jax.grad`` runs exactly what the ``custom_vjp`` ran (forward, then the
+# backward, with the primal inputs as residuals); forward mode adds the reference's forward and JVP
+# to the forward; each further order differentiates the reference.
+
+_tangent_p = Primitive("portable_nn_tangent")
+_tangent_p.multiple_results = True
 
 
-@jax.tree_util.register_pytree_node_class
-class _Saved:
-    """Residuals of the custom_vjp: the input arrays, and (static) the gradient fields wanted."""
-
-    def __init__(self, leaves: list[Any], needs: frozenset[str]) -> None:
-        self.leaves = leaves
-        self.needs = needs
-
-    def tree_flatten(self) -> tuple[tuple[Any, ...], frozenset[str]]:
-        return tuple(self.leaves), self.needs
-
-    @classmethod
-    def tree_unflatten(cls, needs: frozenset[str], children: tuple[Any, ...]) -> _Saved:
-        return cls(list(children), needs)
+def _vmapped(fn: Callable[..., Any], vmaps: tuple[tuple[tuple[int | None, ...], int], ...]) -> Callable[..., Any]:
+    """``fn`` under the batch axes ``vmaps`` collected by the batching rule (innermost first): each
+    entry is ``(in_axes, size)``, every output batched along axis 0."""
+    for in_axes, size in vmaps:
+        fn = jax.vmap(fn, in_axes=in_axes, out_axes=0, axis_size=size)
+    return fn
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tangent_impl(*operands: Any, plan: _Plan, mask: tuple[int, ...], vmaps: Any) -> list[Any]:
+    """ẏ = J ẋ from ``(*leaves, *ẋ)`` (ẋ: one tangent per leaf in ``mask``) by the traced reference."""
+    n = len(plan.leaf_structs)
+
+    def tangent(*ops: Any) -> tuple[Any, ...]:
+        return tuple(plan.reference_jvp(list(ops[:n]), mask, list(ops[n:])))
+
+    return list(_vmapped(tangent, vmaps)(*operands))
+
+
+def _tangent_abstract_eval(*avals: Any, plan: _Plan, mask: tuple[int, ...], vmaps: Any) -> list[Any]:
+    """ẏ has the differentiable outputs' shapes and dtypes, behind the batch axes (outermost first)."""
+    batch = tuple(size for _, size in reversed(vmaps))
+    return [ShapedArray(batch + tuple(s.shape), s.dtype) for s in plan.out_structs[: plan.n_diff]]
+
+
+def _tangent_jvp(primals: Any, tangents: Any, *, plan: _Plan, mask: tuple[int, ...], vmaps: Any) -> Any:
+    """d(J ẋ) = J dẋ + (dJ) ẋ: the first term is the primitive again (linear in dẋ, so a later reverse
+    pass still reaches the backward kernels), the second JAX's derivative of the reference's JVP."""
+    n = len(plan.leaf_structs)
+    params = {"plan": plan, "mask": mask, "vmaps": vmaps}
+    out = _tangent_p.bind(*primals, **params)
+    leaves, dots = list(primals[:n]), list(primals[n:])
+    terms = []
+    if any(type(d) is not ad.Zero for d in tangents[n:]):
+        terms.append(_tangent_p.bind(*leaves, *(ad.instantiate_zeros(d) for d in tangents[n:]), **params))
+    moving = [k for k, d in enumerate(tangents[:n]) if type(d) is not ad.Zero and d.dtype != jax.dtypes.float0]
+    if moving:
+        def along(*moved: Any) -> tuple[Any, ...]:
+            full = list(leaves)
+            for k, value in zip(moving, moved):
+                full[k] = value
+            return tuple(_tangent_impl(*full, *dots, **params))
+
+        terms.append(jax.jvp(along, tuple(leaves[k] for k in moving), tuple(tangents[k] for k in moving))[1])
+    if not terms:
+        return out, [jnp.zeros_like(o) for o in out]
+    return out, [sum(parts[1:], parts[0]) for parts in zip(*terms)]
+
+
+def _tangent_transpose(cts: Any, *operands: Any, plan: _Plan, mask: tuple[int, ...], vmaps: Any) -> list[Any]:
+    """ẋ̄ = Jᵀ ẏ̄ by ``_kernel_vjp`` (the route's backward), under the same batch axes."""
+    n = len(plan.leaf_structs)
+    leaves = operands[:n]
+    if any(ad.is_undefined_primal(v) for v in leaves):  # pragma: no cover - JAX transposes linear inputs only
+        raise ValueError(f"{plan.op}: the tangent is linear in the tangents only, not in the primal inputs")
+    cts = [ad.instantiate_zeros(ct) for ct in cts]
+
+    def pullback(*ops: Any) -> tuple[Any, ...]:
+        return _kernel_vjp(plan, mask, tuple(ops[:n]), tuple(ops[n:]))
+
+    vmaps_t = tuple((tuple(axes[:n]) + (0,) * len(cts), size) for axes, size in vmaps)
+    grads = _vmapped(pullback, vmaps_t)(*leaves, *cts)
+    return [None] * n + [g if ad.is_undefined_primal(t) else None for g, t in zip(grads, operands[n:])]
+
+
+def _tangent_batch(args: Any, dims: Any, *, plan: _Plan, mask: tuple[int, ...], vmaps: Any) -> Any:
+    """vmap: the batch axis of every batched operand to the front, the tangents all batched (so the
+    transpose's gradients are too), the axes recorded as a new innermost-last ``vmaps`` entry."""
+    n = len(plan.leaf_structs)
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    moved, axes = [], []
+    for i, (a, d) in enumerate(zip(args, dims)):
+        if d is None and i < n:
+            moved.append(a)
+            axes.append(None)
+        else:
+            moved.append(jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0))
+            axes.append(0)
+    out = _tangent_p.bind(*moved, plan=plan, mask=mask, vmaps=(*vmaps, (tuple(axes), size)))
+    return out, [0] * len(out)
+
+
+_tangent_p.def_impl(_tangent_impl)
+_tangent_p.def_abstract_eval(_tangent_abstract_eval)
+ad.primitive_jvps[_tangent_p] = _tangent_jvp
+ad.primitive_transposes[_tangent_p] = _tangent_transpose
+batching.primitive_batchers[_tangent_p] = _tangent_batch
+mlir.register_lowering(_tangent_p, mlir.lower_fun(_tangent_impl, multiple_results=True))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _kernel_vjp(plan: _Plan, mask: tuple[int, ...], leaves: tuple[Any, ...], cts: tuple[Any, ...]) -> tuple[Any, ...]:
+    """x̄ = Jᵀ ȳ for the leaves in ``mask`` by the route's backward (see :meth:`_Plan.kernel_vjp`)."""
+    return tuple(plan.kernel_vjp(list(leaves), mask, list(cts)))
+
+
+@_kernel_vjp.defjvp
+def _kernel_vjp_jvp(plan: _Plan, mask: tuple[int, ...], primals: Any, tangents: Any) -> Any:
+    """The derivative of Jᵀ ȳ (in the inputs and in ȳ): JAX's forward mode through the reference's VJP."""
+    leaves, cts = primals
+    out = _kernel_vjp(plan, mask, leaves, cts)
+    _, tangent = jax.jvp(lambda ls, cs: tuple(plan.reference_vjp(list(ls), mask, list(cs))), primals, tangents)
+    return out, tangent
+
+
+def _zero_tangent(value: Any) -> Any:
+    """The zero tangent of an output (``float0`` for an integer one, as JAX requires)."""
+    if jnp.issubdtype(value.dtype, jnp.inexact):
+        return jnp.zeros_like(value)
+    return np.zeros(value.shape, dtype=jax.dtypes.float0)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _apply(plan: _Plan, leaves: list[Any]) -> tuple[Any, ...]:
     return plan.forward(leaves)
 
 
-def _apply_fwd(plan: _Plan, leaves: list[Any]) -> tuple[tuple[Any, ...], _Saved]:
-    values = [p.value if isinstance(p, CustomVJPPrimal) else p for p in leaves]
+def _apply_jvp(plan: _Plan, primals: Any, tangents: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """The route's forward, and ẏ = J ẋ for the perturbed leaves (zero for the other outputs)."""
+    (leaves,), (dots,) = primals, tangents
     perturbed: dict[str, bool] = {}
-    for field, p in zip(plan.leaf_fields, leaves):
-        moving = bool(getattr(p, "perturbed", False))
-        perturbed[field] = perturbed.get(field, False) or moving
-    needs = plan.needs(perturbed)
-    return plan.forward(values), _Saved(values, needs)
+    moving = []
+    for k, (field_name, d) in enumerate(zip(plan.leaf_fields, dots)):
+        here = not isinstance(d, SymbolicZero) and d.dtype != jax.dtypes.float0
+        perturbed[field_name] = perturbed.get(field_name, False) or here
+        if here:
+            moving.append(k)
+    plan.needs(perturbed)  # a ValueError for an argument without a gradient
+    # The op itself, not plan.forward: when an outer derivative differentiates this rule's primal
+    # (a Hessian), it must meet this rule again, never the callback, which has no derivative.
+    outputs = _apply(plan, leaves)
+    diff: list[Any] = []
+    if moving:
+        diff = _tangent_p.bind(*leaves, *(dots[k] for k in moving), plan=plan, mask=tuple(moving), vmaps=())
+    result = []
+    for i, o in enumerate(outputs):
+        result.append(None if o is None else diff[i] if i < len(diff) else _zero_tangent(o))
+    return outputs, tuple(result)
 
 
-def _apply_bwd(plan: _Plan, saved: _Saved, cts: tuple[Any, ...]) -> tuple[list[Any]]:
-    diff_cts = [None if ct is None or isinstance(ct, SymbolicZero) else ct for ct in cts[: plan.n_diff]]
-    zero = [None] * len(saved.leaves)
-    if not saved.needs or all(ct is None for ct in diff_cts):
-        return (zero,)
-    return (plan.backward(saved.leaves, saved.needs, diff_cts),)
-
-
-_apply.defvjp(_apply_fwd, _apply_bwd, symbolic_zeros=True)
+_apply.defjvp(_apply_jvp, symbolic_zeros=True)
 
 
 # --------------------------------------------------------------------------- calling an op
@@ -455,7 +625,7 @@ def explain(op: Any, *args: Any, **kwargs: Any) -> Route:
 
 
 def reference_autodiff(op: Any, *args: Any, **kwargs: Any) -> Any:
-    """The call's result from the reference traced with ``jax.numpy``, *without* the custom_vjp.
+    """The call's result from the reference traced with ``jax.numpy``, *without* the custom derivatives.
 
     JAX differentiates this version itself, through the reference forward, so
     its gradients are an independent check of portable_nn's hand-written

@@ -59,8 +59,8 @@ def merge_across(mean: Any, m2: Any, count: Any, axis_name: Any) -> tuple[Any, A
 
 def local_moments(x: Any, axes: tuple[int, ...], dtype: Any) -> tuple[Any, Any]:
     """This part's mean and M2 over ``axes`` (kept), in ``dtype``: two passes in ``jax.numpy``,
-    the mean and then Σ(x − mean)² (stable; JAX differentiates it).  Not the adapter's custom-VJP
-    ``moments``: JAX 0.10 cannot run a ``custom_vjp`` with symbolic zeros inside ``shard_map``."""
+    the mean and then Σ(x − mean)² (stable; JAX differentiates it).  Not the adapter's ``moments``,
+    whose custom derivatives JAX 0.10 cannot differentiate inside ``shard_map``."""
     import jax.numpy as jnp
 
     xc = x.astype(dtype)

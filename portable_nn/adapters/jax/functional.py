@@ -56,7 +56,8 @@ def _docstring(spec: OpSpec) -> str:
     fields = ", ".join(f"``{f}``" for f in spec.grad_fields)
     notes = [f"{summary.rstrip('.')} — :func:`portable_nn.{spec.name}` for JAX arrays.", "",
              f"Differentiable by ``jax.grad``/``jax.vjp`` with respect to {fields}, through portable_nn's "
-             "backward; every argument that is not an array is static (fixed at trace time)."]
+             "backward, and in forward mode and to any order (``jax.jvp``, ``jax.hessian``) through the "
+             "reference; every argument that is not an array is static (fixed at trace time)."]
     if spec.updates:
         notes += ["", "JAX arrays are immutable: updating the running statistics needs ``return_stats=True``, "
                   "which returns ``(y, new_running_mean, new_running_var)``; the new statistics carry no "

@@ -27,8 +27,16 @@ tensor's memory, that is as long as autograd (eager or compiled) keeps it for
 the backward.  If the entry is missing (the op was called directly without
 ``wrt``, or is re-run by a graph partitioner), the backward op recomputes the
 forward with ``pnn.vjp`` restricted to the needed gradients — the same result,
-one forward pass dearer.  Backward ops are not themselves differentiable
-(no double backward).
+one forward pass dearer.
+
+Higher-order derivatives (double backward: a gradient penalty, a Hessian-vector product,
+``torch.autograd.gradgradcheck``) work on both paths, to any order.  Our backward kernels return
+numbers, not graphs, so a backward that autograd runs with ``create_graph=True`` differentiates the
+array-API reference instead: it reruns the op's forward through the reference on the saved tensors,
+under autograd, and returns ``torch.autograd.grad`` of it (``create_graph=True``), a graph of plain
+torch ops.  That backward costs a reference forward and its autograd backward — several times the
+fused kernel — while a plain backward (``create_graph=False``, every ordinary training step) runs
+the fused kernel as before.  Running statistics are updated once, by the forward.
 
 Batch and instance norm have a functional custom op (returning the new running
 statistics) that carries the autograd formula — PyTorch accepts autograd
@@ -86,6 +94,9 @@ from .modules import (
     Conv1d,
     Conv2d,
     Conv3d,
+    ConvTranspose1d,
+    ConvTranspose2d,
+    ConvTranspose3d,
     GroupNorm,
     InstanceNorm1d,
     InstanceNorm2d,
@@ -119,6 +130,9 @@ __all__ = [
     "Conv1d",
     "Conv2d",
     "Conv3d",
+    "ConvTranspose1d",
+    "ConvTranspose2d",
+    "ConvTranspose3d",
     "CrossEntropyLoss",
     "GRUCell",
     "GroupNorm",

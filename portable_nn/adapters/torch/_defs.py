@@ -61,7 +61,7 @@ def _scalar(kind: type) -> Callable[[Any, str], tuple[Any, ...]]:
 
 
 def _encode_padding(value: Any, name: str) -> tuple[Any, ...]:
-    """An int (``[p]``), ``"same"``/``"valid"`` (the mode), or per axis ints or pairs (flat pairs)."""
+    """An int (``[p]``), ``"same"``/``"valid"`` (the form), or per axis ints or pairs (flat pairs)."""
     if isinstance(value, str):
         return [], value
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
@@ -77,9 +77,9 @@ def _encode_padding(value: Any, name: str) -> tuple[Any, ...]:
     return flat, "explicit"
 
 
-def _decode_padding(flat: list[int], mode: str) -> Any:
-    if mode != "explicit":
-        return mode
+def _decode_padding(flat: list[int], form: str) -> Any:
+    if form != "explicit":
+        return form
     if len(flat) == 1:
         return flat[0]
     return tuple((flat[i], flat[i + 1]) for i in range(0, len(flat), 2))
@@ -183,7 +183,9 @@ KINDS: dict[str, Kind] = {
     "Window": Kind((("int[]", "{}"), ("bool", "{}_per_axis")),
                    lambda v, n: (_int_list(v, n), isinstance(v, (tuple, list))),
                    lambda values, per_axis: tuple(values) if per_axis else values[0]),
-    "Padding": Kind((("int[]", "{}"), ("str", "padding_mode")), _encode_padding, _decode_padding),
+    # the second slot says which form the padding takes ("explicit", "same", "valid"); what the padding
+    # holds (conv's padding_mode) is an argument of its own
+    "Padding": Kind((("int[]", "{}"), ("str", "{}_form")), _encode_padding, _decode_padding),
     "ActivationLike": Kind((("str", "{}"), ("float", "slope")), lambda v, n: _act(v), _act_arg),
     "RnnParams": Kind((("Tensor[]", "weights"), ("Tensor[]", "biases"), ("Tensor[]", "projections")),
                       _encode_params, _decode_params),

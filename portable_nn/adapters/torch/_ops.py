@@ -1,6 +1,7 @@
 """The custom-op machinery of the torch adapter: saved pullbacks, op definitions (``_OpDef``),
-their registration as ``torch.library`` custom ops with fakes and autograd formulas, and the
-eager path (a plain ``autograd.Function``) that bypasses them outside compilation."""
+their registration as ``torch.library`` custom ops with fakes and autograd formulas, the
+eager path (a plain ``autograd.Function``) that bypasses them outside compilation, and the
+differentiable backward that ``create_graph=True`` takes (higher-order derivatives)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ... import backends, dispatch
+from ...api._common import spec_of
 from ...api.activations import ActivationLike, parse_activation
 from ...autodiff import vjp
 
@@ -144,6 +147,7 @@ class _OpDef:
     def __post_init__(self) -> None:
         self.signature = _split_args(self.args)
         self.arg_names = [name for _, name in self.signature]
+        self.position = {name: k for k, name in enumerate(self.arg_names)}
         self.tensor_args = [(name, kind.startswith("Tensor[]")) for kind, name in self.signature
                             if kind.startswith("Tensor")]
         if not self.field_of:
@@ -271,6 +275,111 @@ def _backward_fake(op: _OpDef, saved: Tensor, cotangents: Sequence[Tensor], args
     return flat
 
 
+# =========================================================================== higher-order derivatives
+#
+# Our backward kernels compute numbers, not autograd graphs: the gradients they return have no
+# derivative.  A backward that autograd runs with ``create_graph=True`` (grad mode is then on inside
+# it) must return gradients that are themselves differentiable — for a gradient penalty, a
+# Hessian-vector product, ``torch.autograd.gradgradcheck``.  Such a backward differentiates the
+# array-API reference instead: it reruns the op's forward through the reference on the saved,
+# history-carrying tensors, under autograd, and takes ``torch.autograd.grad`` of it with the incoming
+# cotangents and ``create_graph=True``.  The gradients are then a graph of plain torch ops,
+# differentiable to any order.  The price is one reference forward and its autograd backward in place
+# of the fused backward kernel (the kernel forward already ran).  A plain backward
+# (``create_graph=False``) never takes this path.
+
+
+def _reference_impl(name: str) -> dispatch.Implementation:
+    """The array-API reference implementation of op ``name``."""
+    return next(i for i in dispatch.implementations(name) if backends.is_oracle(i.backend))
+
+
+class _AutogradNamespace:
+    """The reference's array namespace for tensors under autograd: torch's, except that ``asarray``
+    of a tensor keeps its autograd history.
+
+    ``torch.asarray(t)`` returns a tensor cut from ``t``'s history in PyTorch before 2.13 (which then
+    warns that it keeps it); the reference calls ``asarray`` on its own results (to turn NumPy's
+    scalars into 0-d arrays), where a cut would silently drop a derivative.
+    """
+
+    def __init__(self, xp: Any) -> None:
+        self._xp = xp
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._xp, name)
+
+    def asarray(self, obj: Any, /, *, dtype: Any = None, device: Any = None, copy: bool | None = None,
+                **kwargs: Any) -> Any:
+        if not isinstance(obj, Tensor):
+            return self._xp.asarray(obj, dtype=dtype, device=device, copy=copy, **kwargs)
+        result = obj if dtype is None else obj.to(dtype)
+        result = result if device is None else result.to(device)
+        return result.clone() if copy and result is obj else result
+
+
+def reference_outputs(op: _OpDef, bound: dict[str, Any]) -> tuple[Tensor, ...]:
+    """The op's differentiable outputs y = f(args) computed by the array-API reference on the
+    tensors of ``bound`` (the schema's arguments by name), recorded by autograd.
+
+    Dispatch runs every implementation under ``torch.no_grad()``; this calls the reference's forward
+    directly, in the caller's grad mode.  ``bound`` must hold no running statistic the forward
+    updated (``_OpDef.unsaved``): with them absent, a training-mode norm normalises with the batch's
+    statistics as before and updates nothing a second time.
+    """
+    _, kwargs = op.to_pnn(bound, True)
+    prepared = spec_of(op.fn).prepare(**kwargs)
+    # The call's input maps (conv's padding modes) are applied here, as dispatch would, under autograd.
+    call = prepared.call.replace(xp=_AutogradNamespace(prepared.call.xp)).mapped()
+    outputs, _ = _reference_impl(op.name).forward_fn()(call)
+    return tuple(outputs[: op.n_diff])
+
+
+def _differentiable_grads(op: _OpDef, bound: dict[str, Any], cotangents: Sequence[Tensor | None],
+                          flags: dict[str, Any]) -> dict[str, Any]:
+    """āᵢ = (∂y/∂aᵢ)ᵀ ȳ for the arguments aᵢ flagged in ``flags`` (name → bool, or one bool per tensor
+    of a list argument), as graphs of torch ops through the reference (``create_graph``).
+
+    Each differentiated tensor enters the reference through its own view, so an argument passed twice
+    (the same tensor as ``w_ih`` and ``w_hh``) gets its own partial derivative, as autograd expects.
+    Returns ``{name: gradient, or a list for a list argument}``; ``None`` where an argument has no
+    gradient (not flagged, or y does not depend on it).
+    """
+    args = dict(bound)
+    inputs: list[Tensor] = []
+    slots: list[tuple[str, int | None]] = []
+    with torch.enable_grad():
+        for name, is_list in op.tensor_args:
+            value, flag = bound.get(name), flags.get(name)
+            if value is None or not flag:
+                continue
+            if is_list:
+                views = list(value)
+                for k, (t, wanted) in enumerate(zip(value, flag)):
+                    if wanted and t.requires_grad:
+                        views[k] = t.view_as(t)
+                        inputs.append(views[k])
+                        slots.append((name, k))
+                args[name] = views
+            elif value.requires_grad:
+                args[name] = value.view_as(value)
+                inputs.append(args[name])
+                slots.append((name, None))
+        outputs = reference_outputs(op, args)
+        pairs = [(y, ct) for y, ct in zip(outputs, cotangents) if ct is not None and y.requires_grad]
+        grads: Sequence[Tensor | None] = [None] * len(inputs)
+        if pairs and inputs:
+            grads = torch.autograd.grad([y for y, _ in pairs], inputs, [ct for _, ct in pairs],
+                                        create_graph=True, allow_unused=True)
+    result: dict[str, Any] = {}
+    for (name, k), grad in zip(slots, grads):
+        if k is None:
+            result[name] = grad
+        else:
+            result.setdefault(name, [None] * len(bound[name]))[k] = grad
+    return result
+
+
 def _setup_context(op: _OpDef, ctx: Any, inputs: Sequence[Any], output: Sequence[Tensor]) -> None:
     bound = op.bind(inputs)
     unsaved = op.unsaved(bound, output)
@@ -313,7 +422,10 @@ def _backward_formula(op: _OpDef, ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
     want = frozenset(op.field_of[n] for n, _ in op.tensor_args if n in op.field_of and needed(n))
     want &= op.available(op, bound)
     result: dict[str, Any] = {}
-    if want:
+    if want and torch.is_grad_enabled():  # create_graph=True: differentiable gradients (see above)
+        wanted = {name: flags[name] for name, _ in op.tensor_args if op.field_of.get(name) in want}
+        result = _differentiable_grads(op, bound, grads[: op.n_diff], wanted)
+    elif want:
         mask = [f in want for f in op.fields]
         backward_op = getattr(torch.ops.portable_nn, f"{op.name}_backward")
         call_args = [bound[name] for name in op.arg_names if name != "wrt"]
@@ -422,7 +534,8 @@ def _eager(op: _OpDef, args: Sequence[Any]) -> bool:
 
 class _EagerOp(torch.autograd.Function):
     """One portable_nn op under autograd without the custom-op machinery: the forward runs
-    ``pnn.vjp`` for the fields autograd will want, the backward calls the kept pullback."""
+    ``pnn.vjp`` for the fields autograd will want, the backward calls the kept pullback (or, under
+    ``create_graph=True``, differentiates the reference: see the higher-order section)."""
 
     @staticmethod
     def forward(ctx: Any, op: _OpDef, *args: Any) -> Any:
@@ -445,15 +558,20 @@ class _EagerOp(torch.autograd.Function):
         # after a node's backward (unless retain_graph), so the residuals go then, as torch.nn's do,
         # not with the whole graph.  Measured: Conv2d+BatchNorm2d+ReLU at (16,64,28,28) kept its conv
         # output alive through the conv backward, which then took fresh heap pages (3,100 page faults
-        # per step against torch.nn's 1,650; 15.5 vs 13.0 ms).  The inputs that require grad are kept
-        # only to tie a create_graph=True gradient to the graph (see _Once), as the custom op saves them.
-        ctx.save_for_backward(handle, *(t for t in args if isinstance(t, Tensor) and t.requires_grad))
+        # per step against torch.nn's 1,650; 15.5 vs 13.0 ms).  The tensor arguments are saved too, as
+        # the custom op saves them, for a create_graph=True backward, which recomputes through the
+        # reference from them (but not running statistics this call updated: the caller writes
+        # them in place next, which autograd would report as a modified saved tensor).
+        unsaved = op.unsaved(bound, outputs)
+        ctx.pnn_kept = [name for name in ctx.pnn_given if name not in unsaved]
+        ctx.pnn_static = tuple(None if isinstance(a, Tensor) else a for a in args)
+        ctx.save_for_backward(handle, *(args[op.position[name]] for name in ctx.pnn_kept))
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
         op = ctx.pnn_op
-        position = {name: k for k, name in enumerate(op.arg_names)}
+        position = op.position
         for name in ctx.pnn_given:
             if name not in op.field_of and ctx.needs_input_grad[1 + position[name]]:
                 # As PyTorch does for F.cross_entropy's class weights: refuse rather than return a zero gradient.
@@ -461,35 +579,25 @@ class _EagerOp(torch.autograd.Function):
         result: list[Any] = [None] * (1 + len(op.arg_names))
         if not ctx.pnn_want:
             return tuple(result)
-        handle, *inputs = ctx.saved_tensors
+        handle, *kept = ctx.saved_tensors
+        wanted = [name for name in ctx.pnn_given
+                  if op.field_of.get(name) in ctx.pnn_want and ctx.needs_input_grad[1 + position[name]]]
+        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients (see the higher-order section)
+            bound = dict(zip(op.arg_names, ctx.pnn_static))
+            bound.update(zip(ctx.pnn_kept, kept))
+            computed = _differentiable_grads(op, bound, grads[: op.n_diff], dict.fromkeys(wanted, True))
+            for name in wanted:
+                result[1 + position[name]] = computed.get(name)
+            return tuple(result)
         entry = _saved.get(int(handle))
         if entry is None:
             raise RuntimeError(f"portable_nn: the saved state of {op.name} is gone (its backward already ran "
                                "without retain_graph=True)")
         computed = entry.pullback(op.nest(list(grads[: op.n_diff])))
-        for name in ctx.pnn_given:
-            field_name = op.field_of.get(name)
-            if field_name in ctx.pnn_want and ctx.needs_input_grad[1 + position[name]]:
-                # Contiguous, as the custom op's gradients are (and as its fake implementation says).
-                grad = op.grad_of(name, field_name, computed).contiguous()
-                if torch.is_grad_enabled():  # create_graph=True: a second derivative must fail clearly
-                    grad = _Once.apply(grad, op.name, *inputs)
-                result[1 + position[name]] = grad
+        for name in wanted:
+            # Contiguous, as the custom op's gradients are (and as its fake implementation says).
+            result[1 + position[name]] = op.grad_of(name, op.field_of[name], computed).contiguous()
         return tuple(result)
-
-
-class _Once(torch.autograd.Function):
-    """The identity on a gradient, refusing to be differentiated (our backward has no derivative)."""
-
-    @staticmethod
-    def forward(ctx: Any, grad: Tensor, name: str, *inputs: Tensor) -> Tensor:
-        ctx.pnn_name = name
-        return grad.view_as(grad)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> Any:
-        raise RuntimeError(f"portable_nn::{ctx.pnn_name}_backward has no derivative: the ops are differentiable "
-                           "once (double backward, create_graph=True then a second backward, is not supported)")
 
 
 def _call(name: str, *args: Any) -> tuple[Tensor, ...]:

@@ -11,7 +11,19 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from ...api.activations import ActivationLike, parse_activation
-from .functional import batch_norm, conv, dense, group_norm, gru, instance_norm, layer_norm, lstm, rms_norm, rnn
+from .functional import (
+    batch_norm,
+    conv,
+    conv_transpose,
+    dense,
+    group_norm,
+    gru,
+    instance_norm,
+    layer_norm,
+    lstm,
+    rms_norm,
+    rnn,
+)
 
 # =========================================================================== modules
 
@@ -340,23 +352,14 @@ class _ConvMixin:
                          groups, bias, padding_mode, device, dtype)
         self.activation = parse_activation(activation)
         self.channel_axis = _check_channel_axis(channel_axis)
-        if padding_mode != "zeros" and self.channel_axis != 1:
-            raise NotImplementedError(
-                f"padding_mode={padding_mode!r} with channel_axis=-1: only zero padding is supported for "
-                "channels-last data (use padding_mode='zeros' or channel_axis=1)"
-            )
 
     def forward(self, input: Tensor) -> Tensor:
         """Convolve ``input`` (batched or not) with the fused bias and activation."""
-        padding: Any = self.padding  # type: ignore[attr-defined]
-        if self.padding_mode != "zeros":  # type: ignore[attr-defined]
-            # As torch.nn does: pad explicitly with the mode, then convolve without padding.
-            input = F.pad(input, self._reversed_padding_repeated_twice,  # type: ignore[attr-defined]
-                          mode=self.padding_mode)  # type: ignore[attr-defined]
-            padding = 0
-        return conv(input, self.weight, self.bias, stride=self.stride, padding=padding,  # type: ignore
-                    dilation=self.dilation, groups=self.groups,  # type: ignore[attr-defined]
-                    activation=self.activation, channel_axis=self.channel_axis)
+        # The padding mode goes to the op, which pads in either layout (torch.nn pads with F.pad first).
+        return conv(input, self.weight, self.bias, stride=self.stride, padding=self.padding,  # type: ignore
+                    padding_mode=self.padding_mode, dilation=self.dilation,  # type: ignore[attr-defined]
+                    groups=self.groups, activation=self.activation,  # type: ignore[attr-defined]
+                    channel_axis=self.channel_axis)
 
     def extra_repr(self) -> str:
         """``torch.nn``'s description plus the fused activation and a channels-last layout."""
@@ -375,13 +378,13 @@ class Conv1d(_ConvMixin, nn.Conv1d):
         dilation: spacing between the window's taps.
         groups: channel groups convolved separately.
         bias: whether to learn a bias, added inside the kernel.
-        padding_mode: ``"zeros"``, or ``"reflect"``, ``"replicate"``, ``"circular"``,
-            which pad with ``F.pad`` first, as PyTorch does.
+        padding_mode: ``"zeros"``, ``"reflect"``, ``"replicate"`` or ``"circular"``
+            (see :func:`portable_nn.conv`), in either layout.
         device: where the parameters are created.
         dtype: their dtype.
         activation: keyword-only fused activation (default ``"identity"``).
         channel_axis: keyword-only; 1 (``(N, C, L)``, PyTorch's) or -1 for
-            channels-last ``(N, L, C)`` data (zero padding only).
+            channels-last ``(N, L, C)`` data.
 
     All but the last two are ``torch.nn.Conv1d``'s, with its defaults.
 
@@ -692,3 +695,86 @@ class RNN(_Recurrent):
                        bidirectional=self.bidirectional, lengths=lengths)
         return out, (h_n,)
 
+
+
+class _ConvTransposeMixin:
+    """What our transposed convolution modules add to ``torch.nn``'s: the kernel, ``activation=``,
+    ``channel_axis=``."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, ...],
+        stride: int | tuple[int, ...] = 1,
+        padding: int | tuple[int, ...] = 0,
+        output_padding: int | tuple[int, ...] = 0,
+        groups: int = 1,
+        bias: bool = True,
+        dilation: int | tuple[int, ...] = 1,
+        padding_mode: str = "zeros",
+        device: Any = None,
+        dtype: Any = None,
+        *,
+        activation: ActivationLike = "identity",
+        channel_axis: int = 1,
+    ) -> None:
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, output_padding,  # type: ignore
+                         groups, bias, dilation, padding_mode, device, dtype)
+        self.activation = parse_activation(activation)
+        self.channel_axis = _check_channel_axis(channel_axis)
+
+    def forward(self, input: Tensor, output_size: Sequence[int] | None = None) -> Tensor:
+        """Transposed convolution of ``input`` (batched or not) with the fused bias and activation;
+        ``output_size`` (optional, as in ``torch.nn``) picks the output padding that gives that size."""
+        d = len(self.kernel_size)  # type: ignore[attr-defined]
+        output_padding = self.output_padding  # type: ignore[attr-defined]
+        if output_size is not None:
+            # torch.nn's own rule, read on the channels-first view of the input.
+            view = input.movedim(-1, 1 if input.ndim == d + 2 else 0) if self.channel_axis == -1 else input
+            output_padding = self._output_padding(  # type: ignore[attr-defined]
+                view, list(output_size), list(self.stride), list(self.padding),  # type: ignore[attr-defined]
+                list(self.kernel_size), d, list(self.dilation))  # type: ignore[attr-defined]
+        return conv_transpose(input, self.weight, self.bias, stride=self.stride,  # type: ignore[attr-defined]
+                              padding=self.padding, output_padding=output_padding,  # type: ignore[attr-defined]
+                              groups=self.groups, dilation=self.dilation,  # type: ignore[attr-defined]
+                              activation=self.activation, channel_axis=self.channel_axis)
+
+    def extra_repr(self) -> str:
+        """``torch.nn``'s description plus the fused activation and a channels-last layout."""
+        return super().extra_repr() + _fused_repr(self)  # type: ignore[misc]
+
+
+class ConvTranspose1d(_ConvTransposeMixin, nn.ConvTranspose1d):
+    """Drop-in ``torch.nn.ConvTranspose1d`` with the bias and an optional activation fused into our kernel.
+
+    Args:
+        in_channels: channels of the input.
+        out_channels: channels of the output.
+        kernel_size: the window, an int or one int per spatial axis.
+        stride: the upsampling step.
+        padding: ``dilation·(kernel_size − 1) − padding`` zeros on each side of the input
+            (it crops the output), as in ``torch.nn``.
+        output_padding: extra size on the high side of each output axis.
+        groups: channel groups handled separately.
+        bias: whether to learn a bias, added inside the kernel.
+        dilation: spacing between the window's taps.
+        padding_mode: ``"zeros"`` only, as in ``torch.nn``.
+        device: where the parameters are created.
+        dtype: their dtype.
+        activation: keyword-only fused activation (default ``"identity"``).
+        channel_axis: keyword-only; 1 (``(N, C, L)``, PyTorch's) or -1 for channels-last
+            ``(N, L, C)`` data.
+
+    All but the last two are ``torch.nn.ConvTranspose1d``'s, with its defaults; ``forward``
+    takes ``output_size=`` as ``torch.nn``'s does.  Weight ``(in_channels,
+    out_channels/groups, *kernel_size)``, initialisation and state_dict keys are ``torch.nn``'s.
+    """
+
+
+class ConvTranspose2d(_ConvTransposeMixin, nn.ConvTranspose2d):
+    """Drop-in ``torch.nn.ConvTranspose2d`` with fused bias and activation; see :class:`ConvTranspose1d`."""
+
+
+class ConvTranspose3d(_ConvTransposeMixin, nn.ConvTranspose3d):
+    """Drop-in ``torch.nn.ConvTranspose3d`` with fused bias and activation; see :class:`ConvTranspose1d`."""

@@ -42,7 +42,7 @@ def test_backend_is_listed_and_described():
     status = pnn.available_backends()["aten"]
     assert status and "torch tensors only" in status.reason
     rows = {r["op"]: r for r in pnn.capabilities() if r["backend"] == "aten"}
-    assert set(rows) == {"conv", "dense", "rnn", "lstm", "gru"}
+    assert set(rows) == {"conv", "conv_transpose", "dense", "rnn", "lstm", "gru"}
     assert all(r["arrays"] == "torch on cpu/cuda" for r in rows.values())
     assert "oneDNN convolution" in rows["conv"]["notes"] and "torch activation" in rows["conv"]["notes"]
     assert "reset_after=True only" in rows["gru"]["notes"]

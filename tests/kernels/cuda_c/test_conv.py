@@ -51,10 +51,46 @@ def conv_specs():
     ]
 
 
+def conv_transpose_specs():
+    r = _rng(8)
+    return [
+        ("convT2d-stride2-pad1-outpad1-groups2-relu", "conv_transpose",
+         (r.standard_normal((2, 4, 3, 4)), r.standard_normal((4, 3, 3, 3)), r.standard_normal(6)),
+         {"stride": 2, "padding": 1, "output_padding": 1, "groups": 2, "activation": "relu"}),
+        ("convT1d-dilation2-gelu", "conv_transpose",
+         (r.standard_normal((2, 3, 5)), r.standard_normal((3, 2, 3)), r.standard_normal(2)),
+         {"dilation": 2, "padding": 1, "activation": "gelu"}),
+        ("convT3d", "conv_transpose",
+         (r.standard_normal((1, 2, 2, 3, 2)), r.standard_normal((2, 2, 2, 2, 2)), r.standard_normal(2)),
+         {"stride": (2, 1, 2), "padding": (0, 1, 0)}),
+        ("convT2d-nhwc-outpad-gelu", "conv_transpose",
+         (r.standard_normal((2, 3, 4, 4)), r.standard_normal((4, 2, 3, 2)), r.standard_normal(2)),
+         {"stride": (1, 2), "padding": (1, 0), "output_padding": (0, 1), "channel_axis": -1, "activation": "gelu"}),
+        ("convT1d-unbatched-nlc-relu", "conv_transpose",
+         (r.standard_normal((5, 3)), r.standard_normal((3, 2, 2)), r.standard_normal(2)),
+         {"stride": 3, "output_padding": 2, "channel_axis": -1, "activation": "relu"}),
+        ("convT2d-unbatched-plain", "conv_transpose",
+         (r.standard_normal((4, 3, 3)), r.standard_normal((4, 2, 2, 2))), {"groups": 2}),
+        ("convT1d-1x1-dilation-outpad", "conv_transpose",
+         (r.standard_normal((2, 4, 5)), r.standard_normal((4, 3, 1)), r.standard_normal(3)),
+         {"dilation": 2, "output_padding": 1}),
+        ("convT2d-1x1-direct", "conv_transpose",
+         (r.standard_normal((2, 4, 3, 3)), r.standard_normal((4, 6, 1, 1)), r.standard_normal(6)),
+         {"activation": "relu"}),
+    ]
+
+
 DENSE_SPECS = dense_specs()
 
 
 CONV_SPECS = conv_specs()
+
+
+#: conv_transpose runs conv's kernels for the convolution it transposes (conv.py's launchers).
+CONV_TRANSPOSE_SPECS = conv_transpose_specs()
+
+
+GEMM_SPECS = DENSE_SPECS + CONV_SPECS + CONV_TRANSPOSE_SPECS
 
 
 def _gemm_needs(call):
@@ -65,7 +101,7 @@ def _gemm_needs(call):
 
 
 @needs_emulator
-@pytest.mark.parametrize("spec", DENSE_SPECS + CONV_SPECS, ids=[s[0] for s in DENSE_SPECS + CONV_SPECS])
+@pytest.mark.parametrize("spec", GEMM_SPECS, ids=[s[0] for s in GEMM_SPECS])
 def test_emulated_dense_conv(spec, monkeypatch):
     for module in (cdense, cconv):
         monkeypatch.setattr(module, "BLOCK", 32)
@@ -82,12 +118,12 @@ def test_emulated_dense_conv(spec, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("spec", DENSE_SPECS + CONV_SPECS, ids=[s[0] for s in DENSE_SPECS + CONV_SPECS])
+@pytest.mark.parametrize("spec", GEMM_SPECS, ids=[s[0] for s in GEMM_SPECS])
 def test_gpu_dense_conv_match_reference(spec, dtype):
     gpu_compare(spec, dtype, False, tol_factor=2.0)
 
 
-@pytest.mark.parametrize("spec", DENSE_SPECS + CONV_SPECS, ids=[s[0] for s in DENSE_SPECS + CONV_SPECS])
+@pytest.mark.parametrize("spec", GEMM_SPECS, ids=[s[0] for s in GEMM_SPECS])
 def test_gpu_comparison_runs_on_numpy(spec):
     """The device comparison's own steps (the public call, cotangents, the reference), run on NumPy
     through the reference: a slip in them shows without a GPU."""

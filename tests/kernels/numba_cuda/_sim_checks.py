@@ -545,6 +545,40 @@ case("conv/bfloat16-nhwc/small")(
     lambda: _conv_case((1, 4, 4, 2), (2, 2, 2, 2), True, {"channel_axis": -1}, "float32", bf16=True))
 
 
+def _conv_transpose_case(x_shape, w_shape, bias, kw, dtype="float64", bf16=False, param_dtype=None):
+    """conv_transpose with weight (C_in, O/groups, *k) and, with ``bias``, one bias per output channel."""
+    r = _rng(37)
+    fan_in = int(np.prod(w_shape[1:]))
+    args = [r.standard_normal(x_shape), r.standard_normal(w_shape) / np.sqrt(fan_in)]
+    if bias:
+        args.append(r.standard_normal(kw.get("groups", 1) * w_shape[1]))
+    return _op_check("conv_transpose", "conv", tuple(args), kw, SMALL, dtype, bf16, param_dtype)
+
+
+_CONV_TRANSPOSE = {
+    "2d-stride2-pad1-outpad1-groups2": ((2, 4, 3, 3), (4, 2, 3, 3), True, {
+        "stride": 2, "padding": 1, "output_padding": 1, "groups": 2, "activation": "relu"}),
+    "1d-dilation2-gelu": ((2, 3, 5), (3, 2, 3), True, {"dilation": 2, "padding": 1, "activation": "gelu"}),
+    "3d": ((1, 2, 2, 2, 2), (2, 2, 2, 2, 2), False, {"stride": (2, 1, 1), "padding": (0, 1, 0)}),
+    "2d-nhwc-groups-gelu": ((2, 3, 3, 4), (4, 1, 2, 3), True, {"groups": 2, "stride": (2, 1), "channel_axis": -1,
+                                                                "activation": "gelu"}),
+    "1d-unbatched-nlc-relu": ((4, 3), (3, 2, 2), True, {"stride": 3, "output_padding": 2, "channel_axis": -1,
+                                                         "activation": "relu"}),
+    "2d-unbatched": ((4, 3, 3), (4, 2, 2, 2), True, {}),
+}
+for _name, (_xs, _ws, _b, _kw) in _CONV_TRANSPOSE.items():
+    case(f"conv_transpose/{_name}/small")(lambda xs=_xs, ws=_ws, b=_b, kw=_kw: _conv_transpose_case(xs, ws, b, kw))
+case("conv_transpose/float32-1d-sigmoid/small")(
+    lambda: _conv_transpose_case((2, 2, 4), (2, 3, 3), True, {"stride": 2, "activation": "sigmoid"}, "float32"))
+case("conv_transpose/float16-float32-params/small")(
+    lambda: _conv_transpose_case((1, 2, 3, 3), (2, 2, 3, 3), True, {"stride": 2, "padding": 1, "output_padding": 1,
+                                                                     "activation": "gelu_tanh"}, "float16",
+                                 param_dtype="float32"))
+case("conv_transpose/bfloat16-nhwc-relu/small")(
+    lambda: _conv_transpose_case((1, 3, 3, 2), (2, 2, 2, 2), True, {"channel_axis": -1, "stride": 2,
+                                                                     "activation": "relu"}, "float32", bf16=True))
+
+
 # --------------------------------------------------------------------------- entry point
 
 #: Every case id (importable without running anything).

@@ -1,4 +1,4 @@
-"""The Numba-CUDA dense and conv kernels on the device against the reference."""
+"""The Numba-CUDA dense, conv and conv_transpose kernels on the device against the reference."""
 
 from __future__ import annotations
 
@@ -55,3 +55,21 @@ def test_gpu_conv_matches_reference(x_shape, w_shape, bias, kw, dtype):
         params.append(rng.standard_normal(w_shape[0]))
     _gpu_params_check(pnn.conv, rng.standard_normal(x_shape), params, kw, dtype)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize(("x_shape", "w_shape", "bias", "kw"), [
+    ((2, 4, 7, 6), (4, 3, 3, 3), True, {"stride": 2, "padding": 1, "output_padding": 1, "groups": 2,
+                                        "activation": "relu"}),
+    ((2, 6, 17), (6, 4, 5), True, {"dilation": 2, "padding": 2, "activation": "gelu"}),
+    ((2, 8, 8, 9), (9, 2, 3, 3), False, {"groups": 3, "channel_axis": -1, "stride": (2, 1), "padding": 1}),
+    ((3, 5, 4, 4), (3, 2, 3, 2, 2), True, {"stride": (1, 2, 2), "padding": (1, 0, 1), "activation": "tanh"}),
+    ((6, 9, 9), (6, 4, 4, 4), True, {"stride": 2, "padding": 1}),
+])
+def test_gpu_conv_transpose_matches_reference(x_shape, w_shape, bias, kw, dtype):
+    rng = np.random.default_rng(0)
+    params = [rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))]
+    if bias:
+        params.append(rng.standard_normal(kw.get("groups", 1) * w_shape[1]))
+    _gpu_params_check(pnn.conv_transpose, rng.standard_normal(x_shape), params, kw, dtype)

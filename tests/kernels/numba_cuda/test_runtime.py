@@ -29,7 +29,7 @@ NORMS = ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm")
 #: Ops the backend declares (the others fall back under auto, raise when forced).
 POOLS = ("max_pool", "avg_pool")
 
-DECLARED = ("moments", *NORMS, "log_softmax", *POOLS, "cross_entropy", "dense", "conv")
+DECLARED = ("moments", *NORMS, "log_softmax", *POOLS, "cross_entropy", "dense", "conv", "conv_transpose")
 
 
 
@@ -40,9 +40,9 @@ def test_declared_support(op):
     assert s.families == ("cupy", "torch") and s.devices == ("cuda",) and s.native == "cupy"
     assert impl.backward is not None and s.contiguous
     assert set(s.dtypes) == {"float16", "bfloat16", "float32", "float64"}
-    if op in (*NORMS, "cross_entropy", "dense", "conv"):
+    if op in (*NORMS, "cross_entropy", "dense", "conv", "conv_transpose"):
         assert s.mixed_precision
-    if op in (*POOLS, "conv"):
+    if op in (*POOLS, "conv", "conv_transpose"):
         assert set(s.layouts) == {"channels_first", "channels_last"}
 
 
