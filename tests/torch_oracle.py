@@ -1,12 +1,17 @@
-"""PyTorch-side helpers shared by the op tests: activations by label, and data layouts."""
+"""PyTorch-side helpers shared by the op tests: activations by label, data layouts, and the
+check of a (x, weight, bias) layer's output and gradients against a float64 PyTorch oracle."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+import portable_nn as pnn
+from pnn_testing import assert_close, family_of, snapshot, to_numpy, unchanged
 
 #: Each activation label the tests use, and PyTorch's version of it.
 TORCH_ACT = {
@@ -42,3 +47,39 @@ def from_layout(a: np.ndarray, layout: str, batched: bool) -> np.ndarray:
     if not batched:
         a = a[None]
     return np.moveaxis(a, -1, 1) if layout == "last" else a
+
+
+def check_layer_against_torch(case: Any, op: Callable[..., Any], data: tuple, kwargs: dict, layout: str,
+                              batched: bool, rng: np.random.Generator, oracle: Callable[..., Any], what: str) -> None:
+    """Run ``op(x, weight, bias, **kwargs)`` under ``pnn.vjp`` on ``case``'s library, backend and dtype
+    and check it against ``oracle``.
+
+    ``data`` is the float64 ``(x, weight, bias)`` with ``x`` batched channels first (``bias`` may be
+    ``None``); ``oracle(x, weight, bias, dy)`` gets exactly the (rounded) values our call saw, batched
+    channels first, and returns ``(y, (dx, dweight, dbias))``.  Checks the inputs are untouched, the
+    output's library and dtype, the gradients' fields and dtypes, and every value within ``case.tol``.
+    """
+    x64, w64, b64 = data
+    x = case.asarray(to_layout(x64, layout, batched))
+    w, b = case.param(w64), case.param(b64)
+    before = snapshot([x, w, b])
+    with case.use():
+        y, pullback = pnn.vjp(op, x, w, b, **kwargs)
+        dy = case.asarray(rng.standard_normal(tuple(y.shape)))
+        grads = pullback(dy)
+    assert unchanged([x, w, b], before)
+    assert family_of(y) == case.lib and y.dtype == x.dtype
+    assert grads._fields == ("x", "weight", "bias")
+    assert grads.x.dtype == x.dtype and grads.weight.dtype == w.dtype
+    assert (grads.bias is None) == (b is None)
+    y_ref, (dx_ref, dw_ref, db_ref) = oracle(
+        from_layout(to_numpy(x), layout, batched), to_numpy(w), to_numpy(b),
+        from_layout(to_numpy(dy), layout, batched),
+    )
+    tol = case.tol
+    assert_close(from_layout(to_numpy(y), layout, batched), y_ref, tol, f"{what} output")
+    assert_close(from_layout(to_numpy(grads.x), layout, batched), dx_ref, tol, f"{what} dx")
+    assert_close(grads.weight, dw_ref, tol, f"{what} dweight")
+    if b is not None:
+        assert grads.bias.dtype == b.dtype
+        assert_close(grads.bias, db_ref, tol, f"{what} dbias")

@@ -126,17 +126,22 @@ register_builtin(
     priority=CUPY_PRIORITY,
 )
 
+#: What the convolutions take (conv_transpose runs conv's own kernels, so it takes the same).
+_CONV_SUPPORT = dict(
+    dtypes=("float32", "float64"),
+    layouts=("channels_first", "channels_last"),
+    mixed_precision=False,
+    **GPU_SUPPORT,
+)
+
 register_builtin(
     "conv",
     BACKEND.name,
     forward="kernels_gpu.cuda_c.conv:conv_forward",
     backward="kernels_gpu.cuda_c.conv:conv_backward",
     supports=Support(
-        dtypes=("float32", "float64"),
-        layouts=("channels_first", "channels_last"),
-        mixed_precision=False,
+        **_CONV_SUPPORT,
         description="1-3-D, batched or not, every stride/padding/dilation/groups; im2col + cuBLAS, gather col2im",
-        **GPU_SUPPORT,
     ),
     priority=CUPY_PRIORITY,
 )
@@ -147,12 +152,9 @@ register_builtin(
     forward="kernels_gpu.cuda_c.conv:conv_transpose_forward",
     backward="kernels_gpu.cuda_c.conv:conv_transpose_backward",
     supports=Support(
-        dtypes=("float32", "float64"),
-        layouts=("channels_first", "channels_last"),
-        mixed_precision=False,
+        **_CONV_SUPPORT,
         description="1-3-D, batched or not, every stride/padding/output_padding/dilation/groups; conv's "
         "cuBLAS column products + gather col2im, then the fused bias+activation epilogue",
-        **GPU_SUPPORT,
     ),
     priority=CUPY_PRIORITY,
 )

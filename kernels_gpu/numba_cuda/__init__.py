@@ -145,18 +145,23 @@ register_builtin(
     priority=NUMBA_CUDA_PRIORITY,
 )
 
+#: What the convolutions take (conv_transpose runs conv's own kernels, so it takes the same).
+_CONV_SUPPORT = dict(
+    dtypes=("float16", "bfloat16", "float32", "float64"),
+    layouts=("channels_first", "channels_last"),
+    mixed_precision=True,
+    **GPU_SUPPORT,
+)
+
 register_builtin(
     "conv",
     BACKEND.name,
     forward=f"{_PKG}.conv:conv_forward",
     backward=f"{_PKG}.conv:conv_backward",
     supports=Support(
-        dtypes=("float16", "bfloat16", "float32", "float64"),
-        layouts=("channels_first", "channels_last"),
-        mixed_precision=True,
+        **_CONV_SUPPORT,
         description="1-3-D, batched or not, every stride/padding/dilation/groups; im2col + CuPy GEMM + fused "
                     "epilogue, gather col2im (deterministic)",
-        **GPU_SUPPORT,
     ),
     priority=NUMBA_CUDA_PRIORITY,
 )
@@ -167,12 +172,9 @@ register_builtin(
     forward=f"{_PKG}.conv:conv_transpose_forward",
     backward=f"{_PKG}.conv:conv_transpose_backward",
     supports=Support(
-        dtypes=("float16", "bfloat16", "float32", "float64"),
-        layouts=("channels_first", "channels_last"),
-        mixed_precision=True,
+        **_CONV_SUPPORT,
         description="1-3-D, batched or not, every stride/padding/output_padding/dilation/groups; conv's CuPy "
                     "GEMM + gather col2im, then the fused bias+activation epilogue (deterministic)",
-        **GPU_SUPPORT,
     ),
     priority=NUMBA_CUDA_PRIORITY,
 )

@@ -23,7 +23,7 @@ present (``pnn.capabilities()``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._common import (
     Prepared,
@@ -43,6 +43,61 @@ __all__ = ["conv"]
 
 _CONV_FIELDS = ("x", "weight", "bias")
 
+
+
+class _Layout(NamedTuple):
+    """What a convolution-like op reads off ``x`` and ``weight`` before its own channel checks."""
+
+    d: int
+    batched: bool
+    layout: str
+    channel_axis: int
+    spatial_axes: tuple[int, ...]
+    groups: int
+    kernel: tuple[int, ...]
+    channels: int
+
+
+def _kernel_layout(x: Array, weight: Array, channel_axis: Any, groups: Any, weight_form: str, what: str) -> _Layout:
+    """Validate ``weight``'s rank and kernel sizes, ``x``'s layout against them and ``groups``.
+
+    ``weight_form`` names the weight layout in the error (``"(out_channels, in_channels/groups,
+    *kernel)"``), ``what`` the op (``"convolution"``).
+    """
+    if weight.ndim not in (3, 4, 5):
+        raise ValueError(
+            f"weight must be {weight_form} with 1 to 3 kernel axes (3 to 5 dimensions), got shape {tuple(weight.shape)}"
+        )
+    d = weight.ndim - 2
+    batched, layout, x_channel_axis, spatial_axes = spatial_layout(
+        x, d, channel_axis, f"a {d}-D {what} (weight has shape {tuple(weight.shape)})"
+    )
+    groups = check_int(groups, "groups", minimum=1)
+    kernel = tuple(int(s) for s in weight.shape[2:])
+    if any(k < 1 for k in kernel):
+        raise ValueError(f"weight must have kernel sizes >= 1, got shape {tuple(weight.shape)}")
+    return _Layout(d, batched, layout, x_channel_axis, spatial_axes, groups, kernel, int(x.shape[x_channel_axis]))
+
+
+def _geometry(lay: _Layout, stride: tuple[int, ...], dilation: tuple[int, ...], pad_lo: tuple[int, ...],
+              pad_hi: tuple[int, ...], in_size: tuple[int, ...], out_size: tuple[int, ...], activation: Any,
+              mixed: bool) -> dict[str, Any]:
+    """A convolution's resolved geometry, as implementations receive it (the module docstring)."""
+    return {
+        "spatial_axes": lay.spatial_axes,
+        "channel_axis": lay.channel_axis,
+        "batched": lay.batched,
+        "groups": lay.groups,
+        "kernel": lay.kernel,
+        "stride": stride,
+        "dilation": dilation,
+        "pad_lo": pad_lo,
+        "pad_hi": pad_hi,
+        "in_size": in_size,
+        "out_size": out_size,
+        "activation": parse_activation(activation),
+        "mixed_precision": mixed,
+    }
 
 
 def _padding_pairs(
@@ -193,23 +248,12 @@ def conv(
     named = {"x": x, "weight": weight, "bias": bias}
     _, family, device, dtype, mixed = check_layer_arrays(named, ("bias",))
 
-    if weight.ndim not in (3, 4, 5):
-        raise ValueError(
-            "weight must be (out_channels, in_channels/groups, *kernel) with 1 to 3 kernel axes "
-            f"(3 to 5 dimensions), got shape {tuple(weight.shape)}"
-        )
-    d = weight.ndim - 2
-    batched, layout, x_channel_axis, spatial_axes = spatial_layout(
-        x, d, channel_axis, f"a {d}-D convolution (weight has shape {tuple(weight.shape)})"
-    )
-
-    groups = check_int(groups, "groups", minimum=1)
+    lay = _kernel_layout(x, weight, channel_axis, groups, "(out_channels, in_channels/groups, *kernel)",
+                         "convolution")
+    d, groups, kernel, channels, x_channel_axis, spatial_axes = (
+        lay.d, lay.groups, lay.kernel, lay.channels, lay.channel_axis, lay.spatial_axes)
     out_channels = int(weight.shape[0])
     group_in = int(weight.shape[1])
-    kernel = tuple(int(s) for s in weight.shape[2:])
-    channels = int(x.shape[x_channel_axis])
-    if any(k < 1 for k in kernel):
-        raise ValueError(f"weight must have kernel sizes >= 1, got shape {tuple(weight.shape)}")
     if channels % groups:
         raise ValueError(f"x has {channels} channels, which groups={groups} does not divide")
     if out_channels % groups:
@@ -246,28 +290,14 @@ def conv(
             )
         out_size.append(out)
 
-    params = {
-        "spatial_axes": spatial_axes,
-        "channel_axis": x_channel_axis,
-        "batched": batched,
-        "groups": groups,
-        "kernel": kernel,
-        "stride": strides,
-        "dilation": dil,
-        "pad_lo": pad_lo,
-        "pad_hi": pad_hi,
-        "in_size": in_size,
-        "out_size": tuple(out_size),
-        "activation": parse_activation(activation),
-        "mixed_precision": mixed,
-    }
+    params = _geometry(lay, strides, dil, pad_lo, pad_hi, in_size, tuple(out_size), activation, mixed)
     input_maps: dict[str, ModePadding] = {}
     if mode != "zeros" and any(pad_lo + pad_hi):
         # x is padded before dispatch; implementations see the padded x and no padding.
         input_maps["x"] = ModePadding(mode, spatial_axes, in_size, pad_lo, pad_hi)
         params.update(pad_lo=(0,) * d, pad_hi=(0,) * d,
                       in_size=tuple(n + low + high for n, low, high in zip(in_size, pad_lo, pad_hi)))
-    call = make_call("conv", named, params, family=family, device=device, dtype=dtype, layout=layout,
+    call = make_call("conv", named, params, family=family, device=device, dtype=dtype, layout=lay.layout,
                      input_maps=input_maps)
     return Prepared(call, _CONV_FIELDS, named)
 
@@ -389,21 +419,11 @@ def conv_transpose(
     named = {"x": x, "weight": weight, "bias": bias}
     _, family, device, dtype, mixed = check_layer_arrays(named, ("bias",))
 
-    if weight.ndim not in (3, 4, 5):
-        raise ValueError(
-            "weight must be (in_channels, out_channels/groups, *kernel) with 1 to 3 kernel axes "
-            f"(3 to 5 dimensions), got shape {tuple(weight.shape)}"
-        )
-    d = weight.ndim - 2
-    batched, layout, x_channel_axis, spatial_axes = spatial_layout(
-        x, d, channel_axis, f"a {d}-D transposed convolution (weight has shape {tuple(weight.shape)})"
-    )
-    groups = check_int(groups, "groups", minimum=1)
+    lay = _kernel_layout(x, weight, channel_axis, groups, "(in_channels, out_channels/groups, *kernel)",
+                         "transposed convolution")
+    d, groups, kernel, channels, x_channel_axis, spatial_axes = (
+        lay.d, lay.groups, lay.kernel, lay.channels, lay.channel_axis, lay.spatial_axes)
     in_channels, group_out = int(weight.shape[0]), int(weight.shape[1])
-    kernel = tuple(int(s) for s in weight.shape[2:])
-    channels = int(x.shape[x_channel_axis])
-    if any(k < 1 for k in kernel):
-        raise ValueError(f"weight must have kernel sizes >= 1, got shape {tuple(weight.shape)}")
     if channels != in_channels:
         raise ValueError(
             f"x has {channels} channels (axis {x_channel_axis} of shape {tuple(x.shape)}) but weight expects "
@@ -425,23 +445,10 @@ def conv_transpose(
     # high padding is what makes its padded grid (L_in − 1)·stride + dilation·(k − 1) + 1 long,
     # or none when output_padding exceeds padding (the trailing outputs then receive nothing).
     pad_hi = tuple(max(p - e, 0) for p, e in zip(pads, extra))
-    params = {
-        "spatial_axes": spatial_axes,
-        "channel_axis": x_channel_axis,
-        "batched": batched,
-        "groups": groups,
-        "kernel": kernel,
-        "stride": strides,
-        "dilation": dil,
-        "pad_lo": pads,
-        "pad_hi": pad_hi,
-        "in_size": out_size,
-        "out_size": in_size,
-        "output_padding": extra,
-        "activation": parse_activation(activation),
-        "mixed_precision": mixed,
-    }
-    call = make_call("conv_transpose", named, params, family=family, device=device, dtype=dtype, layout=layout)
+    params = _geometry(lay, strides, dil, pads, pad_hi, out_size, in_size, activation, mixed)
+    params["output_padding"] = extra
+    call = make_call("conv_transpose", named, params, family=family, device=device, dtype=dtype,
+                     layout=lay.layout)
     return Prepared(call, _CONV_FIELDS, named)
 
 

@@ -187,10 +187,11 @@ def _grouped_weight(xp: Any, w: Any, geo: _Geometry) -> Any:
     return xp.reshape(w, (g, out_channels // g, int(w.shape[1]) * geo.taps()))
 
 
-def _output_shape(n: int, out_channels: int, geo: _Geometry) -> tuple[int, ...]:
+def _batched_shape(n: int, channels: int, spatial: tuple[int, ...], geo: _Geometry) -> tuple[int, ...]:
+    """``(n, channels, *spatial)`` in the call's layout."""
     if geo.channels_last:
-        return (n, *geo.out_size, out_channels)
-    return (n, out_channels, *geo.out_size)
+        return (n, *spatial, channels)
+    return (n, channels, *spatial)
 
 
 def _bias_shape(out_channels: int, geo: _Geometry) -> tuple[int, ...]:
@@ -222,7 +223,7 @@ def _correlate(xp: Any, xb: Any, w: Any, geo: _Geometry, out_channels: int) -> A
     else:
         # (G, O/G, C/G·K) @ (N, G, C/G·K, P) -> (N, G, O/G, P)
         z = xp.matmul(w, cols)
-    return xp.reshape(z, _output_shape(n, out_channels, geo))
+    return xp.reshape(z, _batched_shape(n, out_channels, geo.out_size, geo))
 
 
 def _kept(act: Any, a: Any, z: Any) -> Any:
@@ -353,8 +354,12 @@ def _channel_sums(xp: Any, g: Any, geo: _Geometry) -> Any:
     return xp.sum(g, axis=tuple(a for a in range(geo.ndim) if a != geo.channel_axis))
 
 
-def conv_backward(residuals: Any, cotangents: tuple[Any], needs: frozenset[str], out: dict) -> dict:
-    """dbias, dweight and dx (the transposed convolution); see the module docstring."""
+def _output_gradient(residuals: Any, cotangents: tuple[Any], needs: frozenset[str], out: dict) -> tuple:
+    """What conv's and conv_transpose's backward both start with: ``g = dy · act'`` (batched, in the
+    compute dtype) and, when asked for, dbias ``Σ g``.
+
+    Returns ``(x, weight, call, geometry, compute dtype, g, grads)``, ``grads`` holding the bias's.
+    """
     x, weight, bias, kept, call = residuals
     xp = call.xp
     geo = _Geometry(call)
@@ -363,6 +368,13 @@ def conv_backward(residuals: Any, cotangents: tuple[Any], needs: frozenset[str],
     grads: dict[str, Any] = {}
     if "bias" in needs:
         grads["bias"] = store(out, "bias", xp.astype(_channel_sums(xp, g, geo), bias.dtype, copy=False))
+    return x, weight, call, geo, cdt, g, grads
+
+
+def conv_backward(residuals: Any, cotangents: tuple[Any], needs: frozenset[str], out: dict) -> dict:
+    """dbias, dweight and dx (the transposed convolution); see the module docstring."""
+    x, weight, call, geo, cdt, g, grads = _output_gradient(residuals, cotangents, needs, out)
+    xp = call.xp
     if "weight" not in needs and "x" not in needs:
         return grads
     gg = _grouped_gradient(xp, g, geo, int(weight.shape[0]))
@@ -389,13 +401,6 @@ def conv_backward(residuals: Any, cotangents: tuple[Any], needs: frozenset[str],
 #     dbias  = Σ g
 
 
-def _transposed_shape(n: int, out_channels: int, geo: _Geometry) -> tuple[int, ...]:
-    """The batched shape of conv_transpose's output (C's input)."""
-    if geo.channels_last:
-        return (n, *geo.in_size, out_channels)
-    return (n, out_channels, *geo.in_size)
-
-
 def conv_transpose_forward(call: Call) -> tuple[tuple[Any], Any]:
     """y = act(Cᵀ x + bias): the column products and scatter of C's input gradient, then the epilogue."""
     xp = call.xp
@@ -406,7 +411,7 @@ def conv_transpose_forward(call: Call) -> tuple[tuple[Any], Any]:
     w = _grouped_weight(xp, xp.astype(weight, cdt, copy=False), geo)
     out_channels = geo.groups * int(weight.shape[1])
     z = _input_gradient(xp, _grouped_gradient(xp, xb, geo, int(weight.shape[0])), w, geo,
-                        _transposed_shape(int(xb.shape[0]), out_channels, geo))
+                        _batched_shape(int(xb.shape[0]), out_channels, geo.in_size, geo))
     a, kept = _bias_activation(xp, z, bias, geo, cdt, call.activation)
     y = _unbatched(xp, xp.astype(a, x.dtype, copy=False), call)
     residuals = (x, weight, bias, kept, call.replace(arrays={})) if call.save else None
@@ -415,14 +420,8 @@ def conv_transpose_forward(call: Call) -> tuple[tuple[Any], Any]:
 
 def conv_transpose_backward(residuals: Any, cotangents: tuple[Any], needs: frozenset[str], out: dict) -> dict:
     """dbias = Σ g, dx = C g, dweight = C's weight gradient of (g, x); see above."""
-    x, weight, bias, kept, call = residuals
+    x, weight, call, geo, cdt, g, grads = _output_gradient(residuals, cotangents, needs, out)
     xp = call.xp
-    geo = _Geometry(call)
-    cdt = compute_dtype(xp, x)
-    g = _activation_gradient(xp, cotangents[0], kept, call, cdt)
-    grads: dict[str, Any] = {}
-    if "bias" in needs:
-        grads["bias"] = store(out, "bias", xp.astype(_channel_sums(xp, g, geo), bias.dtype, copy=False))
     if "x" in needs:
         w = _grouped_weight(xp, xp.astype(weight, cdt, copy=False), geo)
         dx = _correlate(xp, g, w, geo, int(weight.shape[0]))

@@ -17,14 +17,13 @@ from pnn_testing import (
     cases,
     check_pullback_plumbing,
     directional_check,
-    family_of,
     grid,
     snapshot,
     to_numpy,
     unchanged,
 )
 from portable_nn.api.conv import conv, conv_transpose
-from torch_oracle import TORCH_ACT, activation_arg, from_layout, to_layout
+from torch_oracle import TORCH_ACT, activation_arg, check_layer_against_torch, from_layout, to_layout
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -90,30 +89,10 @@ def torch_conv_transpose(x64, w64, b64, dy64, geom, act):
 
 def _run_case(case, geom, layout, batched, act, bias, seed):
     rng = np.random.default_rng(seed)
-    x64, w64, b64 = _data(geom, rng, bias)
-    x = case.asarray(to_layout(x64, layout, batched))
-    w, b = case.param(w64), case.param(b64)
-    before = snapshot([x, w, b])
-    with case.use():
-        y, pullback = pnn.vjp(conv_transpose, x, w, b, **_kwargs(geom, layout, act))
-        dy = case.asarray(rng.standard_normal(tuple(y.shape)))
-        grads = pullback(dy)
-    assert unchanged([x, w, b], before)
-    assert family_of(y) == case.lib and y.dtype == x.dtype
-    assert grads._fields == ("x", "weight", "bias")
-    assert grads.x.dtype == x.dtype and grads.weight.dtype == w.dtype
-    assert (grads.bias is None) == (b is None)
-    y_ref, (dx_ref, dw_ref, db_ref) = torch_conv_transpose(
-        from_layout(to_numpy(x), layout, batched), to_numpy(w), to_numpy(b),
-        from_layout(to_numpy(dy), layout, batched), geom, act,
+    check_layer_against_torch(
+        case, conv_transpose, _data(geom, rng, bias), _kwargs(geom, layout, act), layout, batched, rng,
+        lambda x, w, b, dy: torch_conv_transpose(x, w, b, dy, geom, act), "conv_transpose",
     )
-    tol = case.tol
-    assert_close(from_layout(to_numpy(y), layout, batched), y_ref, tol, "conv_transpose output")
-    assert_close(from_layout(to_numpy(grads.x), layout, batched), dx_ref, tol, "conv_transpose dx")
-    assert_close(grads.weight, dw_ref, tol, "conv_transpose dweight")
-    if b is not None:
-        assert grads.bias.dtype == b.dtype
-        assert_close(grads.bias, db_ref, tol, "conv_transpose dbias")
 
 
 _GRID = grid({
