@@ -24,8 +24,8 @@ each parallel region, and on two cores each steals the other's core.  The arrang
    kernel's serial form (as PyTorch's DataLoader workers run torch with one thread).
 5. **BLAS for the duration of our call only.**  While a numba-backend call runs, every BLAS
    library in the process (NumPy's and SciPy's OpenBLAS) is limited to one thread
-   (:class:`BlasLimit`, entered by dispatch around each forward and backward) and restored
-   afterwards; products that should use every core are split across our own pool by the
+   (:class:`BlasLimit`, entered by dispatch around each forward and backward of the kernels
+   that call BLAS) and restored afterwards; products that should use every core are split across our own pool by the
    kernels themselves, so no OpenBLAS worker is left spinning when PyTorch runs next.
 6. **Threads.**  Parallel kernels use ``portable_nn.get_num_threads()`` threads (default
    ``OMP_NUM_THREADS``, else the available cores), set on Numba's pool for the duration of

@@ -13,6 +13,7 @@ kernel.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import numpy as np
@@ -57,6 +58,7 @@ def _into_params(buffers, value):
     return result
 
 
+@functools.cache  # (an import_module per call cost ~2 us of a small call)
 def _kernel(module: str, name: str):
     return getattr(importlib.import_module(module), name)
 

@@ -237,7 +237,8 @@ def from_numpy_like(result: Any, like_family: str, like_dtype: str | None = None
         return result
     import torch
 
-    if result.dtype.name == "bfloat16" or (like_dtype == "bfloat16" and result.dtype == np.uint16):
+    # (NumPy's dtype.name is slow Python code: the cached name of dtype_name instead)
+    if dtype_name(None, result.dtype) == "bfloat16" or (like_dtype == "bfloat16" and result.dtype == np.uint16):
         return torch.from_numpy(result.view(np.uint16)).view(torch.bfloat16)
     return torch.from_numpy(result)
 

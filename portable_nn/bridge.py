@@ -113,7 +113,8 @@ class NoGrad:
         if family == "torch":
             import torch
 
-            self.ctx = torch.no_grad()
+            if torch.is_grad_enabled():  # (inside an autograd.Function's forward it is not: nothing to do)
+                self.ctx = torch.no_grad()
 
     def __enter__(self) -> None:
         if self.ctx is not None:

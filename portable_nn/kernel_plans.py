@@ -41,6 +41,7 @@ def momentum_update(xp: Any, running_mean: Any, running_var: Any, mean: Any, var
 # --------------------------------------------------------------------------- norms: the canonical view
 
 
+@functools.lru_cache(maxsize=512)  # pure, and asked once per norm call with a handful of distinct shapes
 def norm_view(kind: str, shape: tuple[int, ...], n_axes: int, layout: str | None,
               groups: int | None) -> tuple[tuple[int, int, int, int], int, int]:
     """``((Nn, P, C, Q), Cg, S)``: the view of a C-contiguous ``x`` of ``shape`` that the norm kernels walk.
@@ -68,7 +69,7 @@ def norm_view(kind: str, shape: tuple[int, ...], n_axes: int, layout: str | None
 
 def canonical(call: Any) -> tuple[tuple[int, int, int, int], int, int]:
     """:func:`norm_view` of a norm call (channel axis 1 or -1, as declared)."""
-    return norm_view(call.kind, tuple(int(v) for v in call.x.shape), len(call.axes), call.layout,
+    return norm_view(call.kind, tuple(map(int, call.x.shape)), len(call.axes), call.layout,
                      call.params.get("num_groups"))
 
 

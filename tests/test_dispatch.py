@@ -140,6 +140,45 @@ def test_remembered_choices_follow_registrations_predicates_and_fallback_mode():
                 pnn.moments(_x((3, 4)).astype(np.float16), 0)
 
 
+def test_a_remembered_choice_asks_its_value_predicates_again():
+    """A choice made with a ``Support.check`` is remembered, but the predicate is asked on every call:
+    the same signature with other values is accepted or declined afresh, under auto and forced."""
+    asked = []
+
+    def small_eps_only(call):
+        asked.append(call.eps)
+        return None if call.eps < 1e-3 else "declines a large eps"
+
+    fussy = pnn.Support(families=("numpy",), check=small_eps_only)
+    pnn.register_kernel("layer_norm", "fussy", forward=lambda call: ((call.x * 0,), None), supports=fussy,
+                        priority=100)
+    x = _x((3, 4))
+    try:
+        for eps, taken in [(1e-5, True), (0.1, False), (1e-5, True), (0.1, False)]:
+            assert np.all(pnn.layer_norm(x, eps=eps) == 0) == taken
+        with pnn.use_backend("fussy"):
+            assert np.all(pnn.layer_norm(x) == 0)
+            with pytest.raises(pnn.BackendUnavailableError, match="declines a large eps"):
+                pnn.layer_norm(x, eps=0.1)
+            assert np.all(pnn.layer_norm(x) == 0)
+        assert len(asked) >= 7
+    finally:
+        pnn.unregister_kernel("layer_norm", "fussy")
+
+
+def test_call_arguments_read_as_attributes_without_hiding_its_own():
+    a, b = _x(), _x()
+    call = pnn.dispatch.Call("layer_norm", {"x": a, "replace": b, "eps": b}, {"eps": 1.0, "dtype": "int8"},
+                             xp=np, family="numpy", device="cpu", dtype="float64")
+    assert call.x is a and call.eps is b  # arrays over params
+    assert call.dtype == "float64" and call.params["dtype"] == "int8"  # the call's own attributes over both
+    assert callable(call.replace) and call.arrays["replace"] is b  # and never a method
+    copy = call.replace(save=True)
+    assert copy.save and not call.save and copy.x is a and copy.dtype == "float64"
+    with pytest.raises(AttributeError, match="layer_norm call has no argument 'weight'"):
+        call.weight  # noqa: B018
+
+
 def test_fallback_message_names_only_kernels_made_for_these_arrays():
     """A GPU kernel never targeted NumPy arrays: it did not decline the call, so it is not named."""
     gpu = pnn.Support(families=("cupy",), devices=("cuda",))

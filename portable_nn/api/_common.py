@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from .. import _arrays, dispatch
 from ._types import ARRAY_KINDS
 
@@ -254,6 +256,8 @@ def spec_of(op: Any) -> OpSpec:
 
 def check_array(value: Any, name: str, *, optional: bool = False) -> Any:
     """``value`` if it is an array (or ``None`` when ``optional``), else ``TypeError``."""
+    if type(value) is np.ndarray:  # the common case, neither masked nor foreign: no further checks
+        return value
     if value is None and optional:
         return None
     if not _arrays.is_array(value):
@@ -277,6 +281,13 @@ def check_same_library(named: Mapping[str, Any]) -> tuple[str, str]:
         ValueError: arrays on different devices.
     """
     present = [(name, value) for name, value in named.items() if value is not None]
+    kinds = {type(value) for _, value in present}
+    if len(kinds) == 1:  # the common case: one type, so one library; NumPy arrays are all on the CPU
+        if np.ndarray in kinds:
+            return "numpy", "cpu"
+        first = present[0][1]
+        if _arrays.family(first) == "torch" and all(value.device == first.device for _, value in present):
+            return "torch", _arrays.device_of(first)
     families = {name: _arrays.family(value) for name, value in present}
     if len(set(families.values())) > 1:
         listing = ", ".join(f"{n} is {_arrays.describe_family(f)}" for n, f in families.items())
@@ -382,6 +393,8 @@ def check_distinct(named: Mapping[str, Any]) -> None:
 
 
 def check_positive_float(value: Any, name: str) -> float:
+    if type(value) is float and 0.0 < value < math.inf:  # the common case, without the ABC checks
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a positive float, got {type(value).__name__}")
     value = float(value)
@@ -400,12 +413,16 @@ def check_fraction(value: Any, name: str) -> float:
 
 
 def check_bool(value: Any, name: str) -> bool:
+    if value is True or value is False:
+        return value
     if not isinstance(value, bool) and not (hasattr(value, "__index__") and value in (0, 1)):
         raise TypeError(f"{name} must be True or False, got {value!r}")
     return bool(value)
 
 
 def check_int(value: Any, name: str, *, minimum: int | None = None) -> int:
+    if type(value) is int and (minimum is None or value >= minimum):  # the common case, without the ABC checks
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     value = int(value)
@@ -429,6 +446,8 @@ def per_axis(value: Any, d: int, name: str, minimum: int) -> tuple[int, ...]:
 
 def normalize_axis(axis: Any, ndim: int, name: str = "axis") -> int:
     """``axis`` as a non-negative int; ``ValueError`` when out of range."""
+    if type(axis) is int and -ndim <= axis < ndim:  # the common case, without the ABC checks
+        return axis % ndim
     axis = check_int(axis, name)
     if not -ndim <= axis < ndim:
         raise ValueError(f"{name}={axis} is out of range for an input with {ndim} dimensions")
@@ -439,6 +458,8 @@ def normalize_axes(axis: Any, ndim: int, name: str = "axis") -> tuple[int, ...]:
     """An int, tuple of ints or ``None`` (all axes) as a sorted tuple of non-negative ints."""
     if axis is None:
         return tuple(range(ndim))
+    if type(axis) is int and -ndim <= axis < ndim:  # the common case, without the per-item checks
+        return (axis % ndim,)
     items = axis if isinstance(axis, (tuple, list)) else (axis,)
     axes = tuple(normalize_axis(a, ndim, name) for a in items)
     if len(set(axes)) != len(axes):

@@ -93,15 +93,19 @@ class Activation:
 
 ActivationLike = str | tuple | Activation
 
+#: Each name's (frozen, so shareable) Activation, made once rather than per call.
+_BY_NAME = {activation_name: Activation(activation_name) for activation_name in ACTIVATIONS}
+
 
 def parse_activation(value: Any, name: str = "activation") -> Activation:
     """Normalise an ``activation=`` argument; ``ValueError`` for unknown names."""
     if isinstance(value, Activation):
         return value
     if isinstance(value, str):
-        if value not in ACTIVATIONS:
+        parsed = _BY_NAME.get(value)
+        if parsed is None:
             raise ValueError(f"{name}: unknown activation {value!r}; expected one of {', '.join(ACTIVATIONS)}")
-        return Activation(value)
+        return parsed
     if isinstance(value, tuple) and len(value) == 2 and value[0] == "leaky_relu":
         slope = value[1]
         if isinstance(slope, bool) or not isinstance(slope, numbers.Real) or not math.isfinite(slope):

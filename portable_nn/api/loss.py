@@ -111,6 +111,9 @@ def _check_labels(xp: Any, target: Any, classes: int, ignore_index: int) -> None
     """
     if isinstance(target, np.ndarray):
         xp = np
+        # Labels all in range (the usual call) show in two reductions, not the six of the exact test.
+        if target.size and 0 <= target.min() and target.max() < classes:
+            return
     if _arrays.dtype_name(xp, target.dtype) != "int64":
         target = xp.astype(target, xp.int64)
     bad = xp.logical_and(
