@@ -110,6 +110,9 @@ def device_kind(device: str) -> str:
 
 
 _NUMPY_NAMES: dict[Any, str] = {}
+#: Other libraries' dtype objects (torch's …) by identity: a dtype's name never changes, and finding
+#: it walks the candidate names below (a few µs per array argument of every call).
+_OTHER_NAMES: dict[int, tuple[Any, str]] = {}
 
 
 def dtype_name(xp: Any, dtype: Any) -> str:
@@ -119,6 +122,16 @@ def dtype_name(xp: Any, dtype: Any) -> str:
         if name is None:
             name = _NUMPY_NAMES[dtype] = dtype.name
         return name
+    known = _OTHER_NAMES.get(id(dtype))
+    if known is not None and known[0] is dtype:
+        return known[1]
+    name = _dtype_name_of(xp, dtype)
+    if xp is not None and len(_OTHER_NAMES) < 256:  # the dtype is kept alive by the entry, so ids stay unique
+        _OTHER_NAMES[id(dtype)] = (dtype, name)
+    return name
+
+
+def _dtype_name_of(xp: Any, dtype: Any) -> str:
     for name in (
         "float32", "float64", "float16", "bfloat16", "bool",
         "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",

@@ -103,17 +103,31 @@ def _class_axis(logits: Any, axis: Any) -> int:
     return resolved
 
 
+def _labels_in_range(target: Any, classes: int) -> bool:
+    """Whether a NumPy or torch target's labels all lie in [0, C): the usual call, seen in one or two
+    reductions instead of the six operations of the exact test (other libraries take that test:
+    a lazy one would evaluate the target once per reduction)."""
+    family = _arrays.family(target)
+    if family == "numpy":
+        return bool(target.size) and 0 <= target.min() and target.max() < classes
+    if family == "torch" and target.numel():
+        import torch
+
+        low, high = torch.aminmax(target)
+        return 0 <= int(low) and int(high) < classes
+    return False
+
+
 def _check_labels(xp: Any, target: Any, classes: int, ignore_index: int) -> None:
     """``ValueError`` naming ``target`` if a label is outside [0, C) and not ignore_index.
 
     This reads the target's values (a lazy library evaluates it here).  NumPy targets use NumPy
     itself (array-API conformant), not the lazily imported wrapper namespace.
     """
+    if _labels_in_range(target, classes):
+        return
     if isinstance(target, np.ndarray):
         xp = np
-        # Labels all in range (the usual call) show in two reductions, not the six of the exact test.
-        if target.size and 0 <= target.min() and target.max() < classes:
-            return
     if _arrays.dtype_name(xp, target.dtype) != "int64":
         target = xp.astype(target, xp.int64)
     bad = xp.logical_and(

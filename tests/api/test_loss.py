@@ -369,9 +369,15 @@ def test_cross_entropy_label_check_on_every_library():
         import array_api_strict as xps
 
         libs.append(xps.asarray)
-    for to in libs:
+    for to in [np.asarray, *libs]:
+        for labels in ([0, 3], [-1, 2], [0, 3, -100]):
+            with pytest.raises(ValueError, match="target holds class indices"):
+                cross_entropy(to(np.zeros((len(labels), 3))), to(np.array(labels)))
+        # ignore_index is not a class, whether the labels are checked the quick way or the exact one
+        kept = cross_entropy(to(np.zeros((3, 3))), to(np.array([0, -100, 2])))
+        assert float(kept) == pytest.approx(np.log(3))
         with pytest.raises(ValueError, match="target holds class indices"):
-            cross_entropy(to(np.zeros((2, 3))), to(np.array([0, 3])))
+            cross_entropy(to(np.zeros((3, 3))), to(np.array([0, -100, 2])), ignore_index=-5)
 
 
 @pytest.mark.parametrize(

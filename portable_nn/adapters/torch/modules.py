@@ -28,10 +28,15 @@ from .functional import (
 # =========================================================================== modules
 
 
-def _fused_repr(module: Any) -> str:
-    """What our modules add to ``torch.nn``'s ``extra_repr``: a fused activation, a channels-last layout."""
-    text = "" if module.activation.is_identity else f", activation={module.activation}"
-    return text + ("" if getattr(module, "channel_axis", 1) == 1 else ", channel_axis=-1")
+class _FusedRepr:
+    """First base of the modules with a fused activation: ``torch.nn``'s ``extra_repr`` plus the
+    activation and a channels-last layout where they are not the defaults."""
+
+    def extra_repr(self) -> str:
+        text = super().extra_repr()  # type: ignore[misc]
+        if not self.activation.is_identity:  # type: ignore[attr-defined]
+            text += f", activation={self.activation}"  # type: ignore[attr-defined]
+        return text + ("" if getattr(self, "channel_axis", 1) == 1 else ", channel_axis=-1")
 
 
 def _check_channel_axis(channel_axis: Any) -> int:
@@ -40,7 +45,7 @@ def _check_channel_axis(channel_axis: Any) -> int:
     return int(channel_axis)
 
 
-class LayerNorm(nn.LayerNorm):
+class LayerNorm(_FusedRepr, nn.LayerNorm):
     """Drop-in ``torch.nn.LayerNorm`` running our fused layer-norm kernels.
 
     y = act((x − mean) / sqrt(var + eps) · weight + bias) over the trailing
@@ -79,10 +84,6 @@ class LayerNorm(nn.LayerNorm):
         return layer_norm(input, self.weight, self.bias, axis=tuple(range(-k, 0)), eps=self.eps,
                           activation=self.activation)
 
-    def extra_repr(self) -> str:
-        """``torch.nn``'s description plus the fused activation."""
-        return super().extra_repr() + _fused_repr(self)
-
 
 class RMSNorm(nn.RMSNorm):
     """Drop-in ``torch.nn.RMSNorm`` running our fused RMS-norm kernels.
@@ -104,7 +105,7 @@ class RMSNorm(nn.RMSNorm):
         return rms_norm(input, self.weight, axis=tuple(range(-k, 0)), eps=eps)
 
 
-class GroupNorm(nn.GroupNorm):
+class GroupNorm(_FusedRepr, nn.GroupNorm):
     """Drop-in ``torch.nn.GroupNorm`` running our fused group-norm kernels.
 
     Args:
@@ -138,10 +139,6 @@ class GroupNorm(nn.GroupNorm):
         return group_norm(input, self.num_groups, self.weight, self.bias, eps=self.eps,
                           channel_axis=self.channel_axis, activation=self.activation)
 
-    def extra_repr(self) -> str:
-        """``torch.nn``'s description plus the fused activation and a channels-last layout."""
-        return super().extra_repr() + _fused_repr(self)
-
 
 def momentum_factor(module: Any) -> float:
     """The weight of this batch's statistics in the running ones, counting the batch in
@@ -168,7 +165,7 @@ def _batch_norm_forward(module: Any, input: Tensor) -> Tensor:
     )
 
 
-class _BatchNormMixin:
+class _BatchNormMixin(_FusedRepr):
     """What our batch-norm modules add to ``torch.nn``'s: the kernel, ``activation=``, ``channel_axis=``."""
 
     def __init__(
@@ -195,10 +192,6 @@ class _BatchNormMixin:
     def forward(self, input: Tensor) -> Tensor:
         """Normalise ``input`` per channel (see the class docstring)."""
         return _batch_norm_forward(self, input)
-
-    def extra_repr(self) -> str:
-        """``torch.nn``'s description plus the fused activation and a channels-last layout."""
-        return super().extra_repr() + _fused_repr(self)  # type: ignore[misc]
 
 
 class BatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):
@@ -243,7 +236,7 @@ class BatchNorm3d(_BatchNormMixin, nn.BatchNorm3d):
     """
 
 
-class _InstanceNormMixin:
+class _InstanceNormMixin(_FusedRepr):
     """What our instance-norm modules add to ``torch.nn``'s: the kernel, ``activation=``, ``channel_axis=``."""
 
     def __init__(
@@ -290,10 +283,6 @@ class _InstanceNormMixin:
         )
         return y.squeeze(0) if unbatched else y
 
-    def extra_repr(self) -> str:
-        """``torch.nn``'s description plus the fused activation and a channels-last layout."""
-        return super().extra_repr() + _fused_repr(self)  # type: ignore[misc]
-
 
 class InstanceNorm1d(_InstanceNormMixin, nn.InstanceNorm1d):
     """Drop-in ``torch.nn.InstanceNorm1d`` (``(N, C, L)`` or unbatched ``(C, L)``) on our fused kernels.
@@ -328,7 +317,7 @@ class InstanceNorm3d(_InstanceNormMixin, nn.InstanceNorm3d):
     """Drop-in ``torch.nn.InstanceNorm3d`` (``(N, C, D, H, W)`` or ``(C, D, H, W)``); see :class:`InstanceNorm1d`."""
 
 
-class _ConvMixin:
+class _ConvMixin(_FusedRepr):
     """What our convolution modules add to ``torch.nn``'s: the kernel, ``activation=``, ``channel_axis=``."""
 
     def __init__(
@@ -360,10 +349,6 @@ class _ConvMixin:
                     padding_mode=self.padding_mode, dilation=self.dilation,  # type: ignore[attr-defined]
                     groups=self.groups, activation=self.activation,  # type: ignore[attr-defined]
                     channel_axis=self.channel_axis)
-
-    def extra_repr(self) -> str:
-        """``torch.nn``'s description plus the fused activation and a channels-last layout."""
-        return super().extra_repr() + _fused_repr(self)  # type: ignore[misc]
 
 
 class Conv1d(_ConvMixin, nn.Conv1d):
@@ -401,7 +386,7 @@ class Conv3d(_ConvMixin, nn.Conv3d):
     """Drop-in ``torch.nn.Conv3d`` with fused bias and activation; see :class:`Conv1d` for the options."""
 
 
-class Linear(nn.Linear):
+class Linear(_FusedRepr, nn.Linear):
     """Drop-in ``torch.nn.Linear``: y = act(x · weightᵀ + bias) in one fused kernel.
 
     Args:
@@ -425,10 +410,6 @@ class Linear(nn.Linear):
     def forward(self, input: Tensor) -> Tensor:
         """``(*, in_features)`` → ``(*, out_features)``."""
         return dense(input, self.weight, self.bias, activation=self.activation)
-
-    def extra_repr(self) -> str:
-        """``torch.nn``'s description plus the fused activation."""
-        return super().extra_repr() + _fused_repr(self)
 
 
 # --------------------------------------------------------------------------- recurrent modules
@@ -696,8 +677,7 @@ class RNN(_Recurrent):
         return out, (h_n,)
 
 
-
-class _ConvTransposeMixin:
+class _ConvTransposeMixin(_FusedRepr):
     """What our transposed convolution modules add to ``torch.nn``'s: the kernel, ``activation=``,
     ``channel_axis=``."""
 
@@ -739,10 +719,6 @@ class _ConvTransposeMixin:
                               padding=self.padding, output_padding=output_padding,  # type: ignore[attr-defined]
                               groups=self.groups, dilation=self.dilation,  # type: ignore[attr-defined]
                               activation=self.activation, channel_axis=self.channel_axis)
-
-    def extra_repr(self) -> str:
-        """``torch.nn``'s description plus the fused activation and a channels-last layout."""
-        return super().extra_repr() + _fused_repr(self)  # type: ignore[misc]
 
 
 class ConvTranspose1d(_ConvTransposeMixin, nn.ConvTranspose1d):
