@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                               "images and CI); a process's first call of an op then loads instead of compiling")
     compile_.add_argument("--ops", help="comma-separated op names (default: every op)")
     compile_.add_argument("--dtypes", default="float32,float64",
-                          help="comma-separated dtypes (default: float32,float64)")
+                          help="comma-separated dtypes: float32, float64, float16, bfloat16 (default: "
+                               "float32,float64)")
     compile_.add_argument("--backend", default="numba", help="the kernel backend to compile (default: numba)")
     compile_.add_argument("--jobs", type=int, default=None,
                           help="processes compiling at once, one op family each (default: the number of CPUs)")

@@ -28,9 +28,26 @@ __all__ = ["compile_kernels", "samples"]
 DEFAULT_DTYPES = ("float32", "float64")
 
 
+def numpy_dtype(dtype: str) -> np.dtype:
+    """The NumPy dtype of a sample's data: bfloat16 is ml_dtypes' (the arrays JAX hands over,
+    which the CPU kernels read as their bits just as they read a bfloat16 torch tensor's).
+
+    Raises:
+        ValueError: ``"bfloat16"`` without the ml_dtypes package.
+    """
+    if dtype != "bfloat16":
+        return np.dtype(dtype)
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise ValueError("bfloat16 samples are NumPy arrays of ml_dtypes' bfloat16: pip install ml-dtypes") from None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
 def _data(dtype: str) -> Callable[..., np.ndarray]:
     rng = np.random.default_rng(0)
-    return lambda *shape: rng.standard_normal(shape).astype(dtype)
+    resolved = numpy_dtype(dtype)
+    return lambda *shape: rng.standard_normal(shape).astype(resolved)
 
 
 def _rnn_params(a: Callable[..., np.ndarray], gates: int, features: int, hidden: int) -> list[tuple[Any, ...]]:
@@ -41,6 +58,7 @@ def samples(dtype: str = "float64") -> dict[str, list[tuple[tuple[Any, ...], dic
     """Per op, small valid calls ``(args, kwargs)`` with data of ``dtype``: channels first, and
     channels last where the op takes ``channel_axis`` (each compiles what its layout needs)."""
     a = _data(dtype)
+    dtype = numpy_dtype(dtype)
     labels = np.array([0, 2, 1, 0])
     both = ({}, {"channel_axis": -1})
 
@@ -82,7 +100,7 @@ def _ones_like(tree: Any) -> Any:
     """A cotangent shaped like an op's result: ones for every floating array."""
     if isinstance(tree, tuple):
         return tuple(_ones_like(t) for t in tree)
-    if tree is None or not np.issubdtype(np.asarray(tree).dtype, np.floating):  # indices take no cotangent
+    if tree is None or np.asarray(tree).dtype.kind not in "fV":  # indices take no cotangent (V: bfloat16)
         return None
     return np.ones_like(tree)
 
@@ -143,6 +161,8 @@ def compile_kernels(
     bad = [d for d in dtypes if d not in (*DEFAULT_DTYPES, "float16", "bfloat16")]
     if bad:
         raise ValueError(f"dtypes must be floating dtype names such as float32, got {', '.join(bad)}")
+    for dtype in dtypes:
+        numpy_dtype(dtype)  # bfloat16 needs ml_dtypes: said before any work
     status = dispatch.backend_status(backend)
     if not status:
         raise ValueError(f"backend {backend!r} is not available here: {status.reason}")
@@ -201,7 +221,7 @@ def _variants(backend: str) -> list[Callable[[], Any]]:
 def _compile_op(op: str, dtypes: Sequence[str], backend: str) -> tuple[float, bool]:
     """(seconds, whether the backend took any call) of compiling ``op``'s kernels for ``dtypes``."""
     start = time.perf_counter()
-    calls = [call for dtype in dtypes if dtype != "bfloat16" for call in samples(dtype)[op]]
+    calls = [call for dtype in dtypes for call in samples(dtype)[op]]
     ran = []
     for variant in _variants(backend):
         with variant():

@@ -130,6 +130,21 @@ def test_compile_runs_a_program_s_own_runner_per_family():
     assert timings == {"layer_norm": 0.5, "batch_norm": 0.5, "dense": 0.5}
 
 
+def test_compile_builds_the_half_precision_kernels_it_is_asked_for(monkeypatch):
+    """bfloat16 samples are ml_dtypes arrays, run on the kernels like any other dtype (they used to be
+    skipped without a word); without ml_dtypes, the request is refused before any work."""
+    from portable_nn import warmup
+
+    for dtype in ("float16", "bfloat16"):
+        args, _ = warmup.samples(dtype)["layer_norm"][0]
+        assert all(a.dtype.name == dtype for a in args)
+        _, ran = warmup._compile_op("layer_norm", [dtype], "numba")
+        assert ran, dtype
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)
+    with pytest.raises(ValueError, match="pip install ml-dtypes"):
+        warmup.compile_kernels(["layer_norm"], ["float32", "bfloat16"], "numba", quiet=True)
+
+
 def test_compile_refuses_a_bad_job_count():
     out = _run("-m", "portable_nn", "compile", "--ops", "log_softmax", "--jobs", "0")
     assert out.returncode == 2 and "jobs must be a positive int, got 0" in out.stderr
