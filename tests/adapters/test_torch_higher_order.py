@@ -197,6 +197,26 @@ def test_plain_backward_keeps_the_fused_kernels(path, monkeypatch):
     assert g.requires_grad
 
 
+def test_create_graph_recomputes_with_pytorch_s_own_kernels_where_autograd_differentiates_them(monkeypatch):
+    """conv, conv_transpose and dense recompute through ``aten`` (torch ops: the penalty's double
+    backward then costs what torch.nn's does); every other op through the reference."""
+    chosen = []
+    pick = adapter_ops._recompute_impl
+
+    def recording(name, call):
+        impl = pick(name, call)
+        chosen.append((name, impl.backend))
+        return impl
+
+    monkeypatch.setattr(adapter_ops, "_recompute_impl", recording)
+    x, w, b = _t(2, 3, 5, 5), _t(4, 3, 3, 3, seed=1), _t(4, seed=2)
+    for y in (pnt.conv(x, w, b, padding=1, activation="gelu"), pnt.conv_transpose(x, w.transpose(0, 1), b, stride=2),
+              pnt.dense(x.flatten(1), _t(4, 75, seed=3)), pnt.layer_norm(x, None, None, axis=(-2, -1))):
+        (g,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+        assert g.requires_grad
+    assert chosen == [("conv", "aten"), ("conv_transpose", "aten"), ("dense", "aten"), ("layer_norm", "reference")]
+
+
 def test_double_backward_with_respect_to_the_cotangent_only():
     """A gradient whose cotangent carries history, of inputs that carry none beyond the op's weight."""
     x, w = _t(2, 3, grad=False), _t(4, 3, seed=1)

@@ -32,10 +32,11 @@ one forward pass dearer.
 Higher-order derivatives (double backward: a gradient penalty, a Hessian-vector product,
 ``torch.autograd.gradgradcheck``) work on both paths, to any order.  Our backward kernels return
 numbers, not graphs, so a backward that autograd runs with ``create_graph=True`` differentiates the
-array-API reference instead: it reruns the op's forward through the reference on the saved tensors,
-under autograd, and returns ``torch.autograd.grad`` of it (``create_graph=True``), a graph of plain
-torch ops.  That backward costs a reference forward and its autograd backward — several times the
-fused kernel — while a plain backward (``create_graph=False``, every ordinary training step) runs
+array-API reference instead (PyTorch's own kernels, the ``aten`` backend, for ``conv``,
+``conv_transpose`` and ``dense``): it reruns the op's forward on the saved tensors, under autograd,
+and returns ``torch.autograd.grad`` of it (``create_graph=True``), a graph of plain torch ops.  That
+backward costs a recomputed forward and its autograd backward — up to several times the fused
+kernel — while a plain backward (``create_graph=False``, every ordinary training step) runs
 the fused kernel as before.  Running statistics are updated once, by the forward.
 
 Batch and instance norm have a functional custom op (returning the new running

@@ -26,7 +26,8 @@ def _docstring(spec: OpSpec) -> str:
     notes = [f"{summary.rstrip('.')} — :func:`portable_nn.{spec.name}` on tensors.", "",
              f"Differentiable by ``torch.autograd`` with respect to {fields}, through portable_nn's fused "
              f"backward (custom op ``portable_nn::{spec.name}``; ``torch.compile`` traces it), and to any order: "
-             "a ``create_graph=True`` backward differentiates the array-API reference instead."]
+             "a ``create_graph=True`` backward differentiates the array-API reference instead (PyTorch's own "
+             "kernels for convolutions and dense layers)."]
     return "\n".join(notes) + "\n" + details
 
 
