@@ -967,7 +967,8 @@ class Executed:
             return adjoin_gradients(self.input_maps, self.xp, grads)
 
 
-def run(call: Call, need_backward: bool = False, needs: frozenset[str] | None = None) -> Executed:
+def run(call: Call, need_backward: bool = False, needs: frozenset[str] | None = None, *,
+        recorded: bool = False) -> Executed:
     """Select an implementation for ``call`` and run its forward.
 
     Args:
@@ -975,16 +976,21 @@ def run(call: Call, need_backward: bool = False, needs: frozenset[str] | None = 
         need_backward: whether a backward will follow (the forward keeps residuals).
         needs: the gradient names that backward may be asked for, when known
             (``Call.needs``); ``None``: any.
+        recorded: run the input maps and the forward in the caller's grad mode rather than
+            under ``torch.no_grad()``, so that PyTorch's autograd records them: for an
+            implementation written in torch's differentiable ops (``aten``), whose outputs
+            autograd then differentiates itself (the torch adapter's direct path).
     """
     selection = select(call, need_backward)
     impl = selection.impl
     bridge = Bridge(call.family, impl.supports.native, call.device, call.dtype)
+    grad_mode = contextlib.nullcontext if recorded else NoGrad
     mapped = call
     if call.input_maps:
-        with NoGrad(call.family):
+        with grad_mode(call.family):
             mapped = call.mapped()  # in the caller's library, before any bridge
         selection = dataclasses.replace(selection, copies=_copies_needed(impl, mapped))
     inner = _bridge_call(mapped, selection, bridge, need_backward, needs)
-    with NoGrad(call.family), bridge.context(), impl.runtime_scope():
+    with grad_mode(call.family), bridge.context(), impl.runtime_scope():
         outputs, residuals = impl.forward_fn()(inner)
     return Executed(bridge.outward(tuple(outputs)), residuals, impl, bridge, call.family, call.input_maps, call.xp)

@@ -263,6 +263,35 @@ def test_eager_path_releases_its_pullback_with_the_saved_tensors():
     assert pnt.saved_pullbacks() == base
 
 
+def test_eager_calls_on_pytorch_s_own_kernels_are_recorded_by_autograd():
+    """conv, conv_transpose and dense calls that run on ``aten`` go straight to torch's autograd (its
+    own backward nodes, no pullback kept), with torch's values and gradients; channels last and
+    calls on our kernels keep the pullback path."""
+    gc.collect()
+    base = pnt.saved_pullbacks()
+    x, w, b, wd = _t(2, 3, 6, 5), _t(4, 3, 3, 3), _t(4), _t(3, 90)
+    cases = [
+        (lambda x, w, b: pnt.conv(x, w, b, padding=1, activation="gelu"),
+         lambda x, w, b: F.gelu(F.conv2d(x, w, b, padding=1))),
+        (lambda x, w, b: pnt.conv_transpose(x, w.transpose(0, 1), b, stride=2, activation="relu"),
+         lambda x, w, b: F.relu(F.conv_transpose2d(x, w.transpose(0, 1), b, stride=2))),
+        (lambda x, w, b: pnt.dense(x.flatten(1), wd, activation="tanh"),
+         lambda x, w, b: torch.tanh(F.linear(x.flatten(1), wd))),
+    ]
+    for ours, theirs in cases:
+        y, expected = ours(x, w, b), theirs(x, w, b)
+        assert type(y.grad_fn).__name__ != "_EagerOpBackward" and pnt.saved_pullbacks() == base
+        assert torch.allclose(y, expected, rtol=1e-12, atol=1e-12)
+        inputs = (x, w, b, wd)
+        got, want = (torch.autograd.grad((v * v).sum(), inputs, allow_unused=True) for v in (y, expected))
+        for g, e in zip(got, want):
+            assert (g is None) == (e is None) and (g is None or torch.allclose(g, e, rtol=1e-12, atol=1e-12))
+    last = pnt.conv(x.permute(0, 2, 3, 1).contiguous(), w, b, channel_axis=-1)
+    assert type(last.grad_fn).__name__ == "_EagerOpBackward" and last.is_contiguous()
+    with pnn.use_backend("numba"):
+        assert type(pnt.conv(x, w, b).grad_fn).__name__ == "_EagerOpBackward"
+
+
 def test_eager_and_custom_op_paths_agree(monkeypatch):
     x, w, b = _t(2, 3, 6, 5), _t(4, 3, 3, 3), _t(4)
     results = []

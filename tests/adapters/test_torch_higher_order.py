@@ -198,8 +198,9 @@ def test_plain_backward_keeps_the_fused_kernels(path, monkeypatch):
 
 
 def test_create_graph_recomputes_with_pytorch_s_own_kernels_where_autograd_differentiates_them(monkeypatch):
-    """conv, conv_transpose and dense recompute through ``aten`` (torch ops: the penalty's double
-    backward then costs what torch.nn's does); every other op through the reference."""
+    """Under the custom ops, conv, conv_transpose and dense recompute through ``aten`` (torch ops: the
+    penalty's double backward then costs what torch.nn's does); every other op through the reference."""
+    monkeypatch.setattr(adapter_ops, "EAGER_PATH", False)
     chosen = []
     pick = adapter_ops._recompute_impl
 

@@ -29,6 +29,11 @@ the backward.  If the entry is missing (the op was called directly without
 forward with ``pnn.vjp`` restricted to the needed gradients — the same result,
 one forward pass dearer.
 
+In eager mode (plain tensors, no ``torch.compile``, no functorch transform) the custom-op
+machinery is skipped: an op runs as a plain ``autograd.Function`` keeping the pullback
+itself, and a conv, transposed conv or dense call that runs on ``aten`` is recorded by
+autograd directly, as torch.nn's would be (``_ops.TORCH_DIFFERENTIABLE``).
+
 Higher-order derivatives (double backward: a gradient penalty, a Hessian-vector product,
 ``torch.autograd.gradgradcheck``) work on both paths, to any order.  Our backward kernels return
 numbers, not graphs, so a backward that autograd runs with ``create_graph=True`` differentiates the

@@ -335,19 +335,10 @@ def reference_outputs(op: _OpDef, bound: dict[str, Any]) -> tuple[Tensor, ...]:
     return tuple(outputs[: op.n_diff])
 
 
-#: Ops whose ``aten`` implementation (PyTorch's own kernels, called as torch ops) autograd
-#: differentiates to any order; the recompute takes it where it accepts the call.  Measured: a
-#: WGAN-GP penalty step (forward, create_graph backward, backward) through two 3x3 Conv2d at
-#: (16, 32, 32, 32) took 31 ms recomputing with ``aten::convolution``, 110 ms through the
-#: reference's convolution in array-API ops (torch.nn: 27 ms; 2-core Xeon, AVX-512).
-#: (The recurrences are left out: PyTorch's fused RNN kernels have no double backward.)
-AUTOGRAD_RECOMPUTE = ("conv", "conv_transpose", "dense")
-
-
 def _recompute_impl(name: str, call: dispatch.Call) -> dispatch.Implementation:
     """What a ``create_graph`` backward differentiates: the ``aten`` implementation of the ops in
-    :data:`AUTOGRAD_RECOMPUTE` where it takes the call (its dtype, device, layout), else the reference."""
-    if name in AUTOGRAD_RECOMPUTE:
+    :data:`TORCH_DIFFERENTIABLE` where it takes the call (its dtype, device, layout), else the reference."""
+    if _autograd_differentiates_aten(name, call):
         for impl in dispatch.implementations(name):
             if impl.backend == "aten" and dispatch._candidate_reason(impl, call, False)[0] is None:
                 return impl
@@ -526,6 +517,48 @@ def _wrt_mask(op: _OpDef, args: Sequence[Any]) -> list[bool] | None:
 # see, and keep the custom op).
 
 
+#: Ops whose ``aten`` implementation (PyTorch's own kernels, called as torch ops) autograd
+#: differentiates to any order.  Where ``auto`` (or the configuration) chooses ``aten`` for an
+#: eager call of one, the call runs it directly under autograd (:func:`_recorded_by_torch`): the
+#: same kernels without our pullback machinery, whose Python cost (~250 µs a layer forward and
+#: backward) was 3x torch.nn's whole step for a small Linear or Conv2d.  A ``create_graph``
+#: backward of the others' custom ops recomputes through them too: a WGAN-GP penalty step through
+#: two 3x3 Conv2d at (16, 32, 32, 32) took 31 ms so, 110 ms through the reference's convolution in
+#: array-API ops (torch.nn: 27 ms; 2-core Xeon, AVX-512).  (The recurrences are left out:
+#: PyTorch's fused RNN kernels have no double backward.)
+TORCH_DIFFERENTIABLE = ("conv", "conv_transpose", "dense")
+
+
+def _autograd_differentiates_aten(name: str, call: dispatch.Call) -> bool:
+    """Whether autograd's derivative of ``name``'s ``aten`` forward is what its backward computes:
+    one of :data:`TORCH_DIFFERENTIABLE`, except a float32 convolution on a GPU, whose ``aten``
+    kernels run cuDNN without TF32 (``kernels_aten.conv``) where autograd's backward would follow
+    ``torch.backends.cudnn.allow_tf32``, on by default."""
+    if name not in TORCH_DIFFERENTIABLE:
+        return False
+    return name == "dense" or call.device == "cpu" or call.dtype != "float32"
+
+
+def _recorded_by_torch(op: _OpDef, args: Sequence[Any]) -> tuple[Tensor, ...] | None:
+    """The outputs of an eager call that runs on ``aten`` (see :data:`TORCH_DIFFERENTIABLE`),
+    computed under the caller's autograd, which differentiates them; ``None`` when the call
+    selects another implementation or is channels last (it then takes the pullback path)."""
+    if op.name not in TORCH_DIFFERENTIABLE:
+        return None
+    bound = op.bind(args)
+    _, kwargs = op.to_pnn(bound, False)
+    prepared = spec_of(op.fn).prepare(**kwargs)
+    call = prepared.call
+    if not _autograd_differentiates_aten(op.name, call):
+        return None
+    # Channels-last results and gradients would come back as permuted views; the custom op (and so
+    # torch.compile) returns them contiguous, as the pullback path does.
+    if call.layout == "channels_last" or dispatch.select(call, need_backward=True, report=False).impl.backend != "aten":
+        return None
+    executed = dispatch.run(call, need_backward=True, recorded=True)
+    return tuple(op.flatten(prepared.finish(executed.take_outputs()), bound))
+
+
 def _plain_tensors(op: _OpDef, args: Sequence[Any]) -> bool:
     """Whether every tensor argument is a plain (or Parameter) tensor and none is a list."""
     for name, value in zip(op.arg_names, args):
@@ -624,7 +657,8 @@ def _call(name: str, *args: Any) -> tuple[Tensor, ...]:
     arguments that require grad).  Returns the op's outputs (without the custom op's handle)."""
     op = _OPS[name]
     if _eager(op, args):
-        return tuple(_EagerOp.apply(op, *args))
+        recorded = _recorded_by_torch(op, args)
+        return recorded if recorded is not None else tuple(_EagerOp.apply(op, *args))
     result = getattr(torch.ops.portable_nn, name)(*args, _wrt_mask(op, args))
     return tuple(result[:-1])
 
