@@ -292,6 +292,20 @@ def test_eager_calls_on_pytorch_s_own_kernels_are_recorded_by_autograd():
         assert type(pnt.conv(x, w, b).grad_fn).__name__ == "_EagerOpBackward"
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # (torch's make_dual)
+def test_forward_mode_ad_through_the_layers_autograd_records():
+    """Recorded as torch's own ops, the eager convolutions and dense layers carry forward-mode tangents."""
+    import torch.autograd.forward_ad as fwad
+
+    x, w, b, t = _t(2, 3, 5, 5, grad=False), _t(4, 3, 3, 3, grad=False), _t(4, grad=False), _t(2, 3, 5, 5, seed=7)
+    with fwad.dual_level():
+        y = pnt.conv(fwad.make_dual(x, t), w, b, padding=1, activation="gelu")
+        tangent = fwad.unpack_dual(y).tangent
+        expected = fwad.unpack_dual(F.gelu(F.conv2d(fwad.make_dual(x, t), w, b, padding=1))).tangent
+    assert tangent is not None
+    assert torch.allclose(tangent, expected, rtol=1e-12, atol=1e-12)
+
+
 def test_eager_and_custom_op_paths_agree(monkeypatch):
     x, w, b = _t(2, 3, 6, 5), _t(4, 3, 3, 3), _t(4)
     results = []
