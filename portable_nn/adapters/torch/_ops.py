@@ -338,7 +338,7 @@ def reference_outputs(op: _OpDef, bound: dict[str, Any]) -> tuple[Tensor, ...]:
 def _recompute_impl(name: str, call: dispatch.Call) -> dispatch.Implementation:
     """What a ``create_graph`` backward differentiates: the ``aten`` implementation of the ops in
     :data:`TORCH_DIFFERENTIABLE` where it takes the call (its dtype, device, layout), else the reference."""
-    if _autograd_differentiates_aten(name, call):
+    if _autograd_differentiates_aten(name, call.device != "cpu" and call.dtype == "float32"):
         for impl in dispatch.implementations(name):
             if impl.backend == "aten" and dispatch._candidate_reason(impl, call, False)[0] is None:
                 return impl
@@ -529,14 +529,12 @@ def _wrt_mask(op: _OpDef, args: Sequence[Any]) -> list[bool] | None:
 TORCH_DIFFERENTIABLE = ("conv", "conv_transpose", "dense")
 
 
-def _autograd_differentiates_aten(name: str, call: dispatch.Call) -> bool:
+def _autograd_differentiates_aten(name: str, float32_on_gpu: bool) -> bool:
     """Whether autograd's derivative of ``name``'s ``aten`` forward is what its backward computes:
     one of :data:`TORCH_DIFFERENTIABLE`, except a float32 convolution on a GPU, whose ``aten``
     kernels run cuDNN without TF32 (``kernels_aten.conv``) where autograd's backward would follow
     ``torch.backends.cudnn.allow_tf32``, on by default."""
-    if name not in TORCH_DIFFERENTIABLE:
-        return False
-    return name == "dense" or call.device == "cpu" or call.dtype != "float32"
+    return name in TORCH_DIFFERENTIABLE and (name == "dense" or not float32_on_gpu)
 
 
 def _recorded_by_torch(op: _OpDef, args: Sequence[Any]) -> tuple[Tensor, ...] | None:
@@ -546,14 +544,17 @@ def _recorded_by_torch(op: _OpDef, args: Sequence[Any]) -> tuple[Tensor, ...] | 
     if op.name not in TORCH_DIFFERENTIABLE:
         return None
     bound = op.bind(args)
+    x = bound.get("x")
+    # Decided from the tensors before any validation, so the calls that take the pullback path do
+    # not validate twice.  Channels-last results and gradients would come back as permuted views;
+    # the custom op (and so torch.compile) returns them contiguous, as the pullback path does.
+    if (not isinstance(x, Tensor) or bound.get("channel_axis", 1) != 1
+            or not _autograd_differentiates_aten(op.name, x.device.type != "cpu" and x.dtype == torch.float32)):
+        return None
     _, kwargs = op.to_pnn(bound, False)
     prepared = spec_of(op.fn).prepare(**kwargs)
     call = prepared.call
-    if not _autograd_differentiates_aten(op.name, call):
-        return None
-    # Channels-last results and gradients would come back as permuted views; the custom op (and so
-    # torch.compile) returns them contiguous, as the pullback path does.
-    if call.layout == "channels_last" or dispatch.select(call, need_backward=True, report=False).impl.backend != "aten":
+    if dispatch.select(call, need_backward=True, report=False).impl.backend != "aten":
         return None
     executed = dispatch.run(call, need_backward=True, recorded=True)
     return tuple(op.flatten(prepared.finish(executed.take_outputs()), bound))
