@@ -75,6 +75,7 @@ for _op in ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm
         BACKEND.name,
         forward="kernels_cpu.norm:norm_forward",
         backward="kernels_cpu.norm:norm_backward",
+        plan="kernels_cpu.norm:norm_plan",
         supports=Support(layouts=("channels_first", "channels_last"),
                          description="float16/bfloat16 read and written in the loops (float32 arithmetic, float64 "
                                      "statistics)",

@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _arrays, dispatch
+from . import _arrays, dispatch, plans
 from .api._common import Prepared, grads_type, spec_of
 
-__all__ = ["vjp"]
+__all__ = ["pullback_of", "vjp"]
 
 
 def _needs(prepared: Prepared, wrt: Any, op_name: str) -> frozenset[str]:
@@ -210,14 +210,28 @@ def vjp(op: Any, *args: Any, wrt: str | Iterable[str] | None = None, **kwargs: A
     ``ValueError`` naming the argument).
     """
     spec = spec_of(op)
-    prepared = spec.prepare(*args, **kwargs)
-    needs = _needs(prepared, wrt, spec.name)
-    executed = dispatch.run(prepared.call, need_backward=True, needs=needs)
+    plan, leaves, entry = plans.find(spec.name, ("vjp", wrt), args, kwargs)
+    prepared = None if plan is None else plan.prepared(leaves)
+    if prepared is not None:  # the fast path: a plan of this call's signature (portable_nn.plans)
+        needs = _needs(prepared, wrt, spec.name)
+        executed = plan.route.run(prepared.call)
+    else:
+        prepared = spec.prepare(*args, **kwargs)
+        needs = _needs(prepared, wrt, spec.name)
+        route = dispatch.route(prepared.call, need_backward=True, needs=needs)
+        executed = route.run(prepared.call)
+        if entry is not None:
+            plans.remember(entry, leaves, spec.name, prepared, route)
     outputs = executed.take_outputs()  # the pullback keeps the backward, not the outputs (see _OutputInfo)
-    result = prepared.finish(outputs)
+    return prepared.finish(outputs, prepared.call), pullback_of(spec.name, prepared, needs, executed, outputs)
+
+
+def pullback_of(op: str, prepared: Prepared, needs: frozenset[str], executed: dispatch.Executed,
+                outputs: tuple[Any, ...]) -> Callable[..., Any]:
+    """The pullback of a forward that ran (``executed``, whose ``outputs`` the caller took), for
+    the gradients ``needs`` (see :func:`vjp`); it keeps the outputs' shapes and dtypes, not the outputs."""
     diff_outputs = tuple(_OutputInfo(y) for y in outputs[: prepared.n_diff_outputs])
-    del outputs
-    cls = grads_type(spec.name, prepared.grad_fields)
+    cls = grads_type(op, prepared.grad_fields)
 
     def pullback(cotangent: Any, *, out: Any = None) -> Any:
         cts = _cotangents(prepared, diff_outputs, cotangent)
@@ -227,5 +241,5 @@ def vjp(op: Any, *args: Any, wrt: str | Iterable[str] | None = None, **kwargs: A
             grads[name] = _fill(buffer, grads[name])
         return cls(**{name: grads.get(name) if name in needs else None for name in prepared.grad_fields})
 
-    pullback.__doc__ = f"Pullback of {spec.name}: cotangent(s) of the output(s) -> {cls.__name__}."
-    return result, pullback
+    pullback.__doc__ = f"Pullback of {op}: cotangent(s) of the output(s) -> {cls.__name__}."
+    return pullback

@@ -22,6 +22,7 @@ import os
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "ENV_VAR",
@@ -47,9 +48,13 @@ def __getattr__(name: str) -> object:
 FALLBACK_MODES = ("allow", "warn", "error")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Layer:
-    """One level of configuration: a default backend and per-op overrides."""
+    """One level of configuration: a default backend and per-op overrides.
+
+    Compared and hashed by identity (``eq=False``): every change makes a new layer, and the plan
+    cache keys calls by the layers in force (:func:`state`), which a key then keeps alive.
+    """
 
     default: str | None = None
     per_op: Mapping[str, str] = field(default_factory=dict)
@@ -70,6 +75,44 @@ _global_lock = threading.Lock()
 _global_layer = _Layer(source="set_backend")
 _fallback_mode = "allow"
 _env_cache: tuple[str, _Layer] | None = None
+
+#: Bumped by every process-wide setting that can change what a call runs (set_backend,
+#: set_fallback, set_num_threads, kernels registered or removed, a stored GPU preference): part of
+#: :func:`state`, so no plan made under an earlier setting is reused (:mod:`portable_nn.plans`).
+_generation = 0
+
+
+def bump_generation() -> None:
+    """Mark every plan made so far as stale (a process-wide setting changed)."""
+    global _generation
+    _generation += 1
+
+
+def _environ_reader(name: str) -> Any:
+    """A function returning the raw value of the environment variable ``name`` (``None`` if unset).
+
+    ``os.environ.get`` costs ~1 µs (key and value re-encoded each time), as much as the rest of a
+    plan-cache lookup; CPython's ``os.environ`` keeps the encoded mapping in ``_data``, which it
+    reads itself, so the raw value is read there (the undecoded value only needs to change when
+    the variable does).  Elsewhere, the public mapping.
+    """
+    data = getattr(os.environ, "_data", None)
+    encode = getattr(os.environ, "encodekey", None)
+    if isinstance(data, dict) and callable(encode):
+        key = encode(name)
+        return lambda: data.get(key)
+    return lambda: os.environ.get(name)
+
+
+_read_env = _environ_reader(ENV_VAR)
+
+
+def state() -> tuple[Any, ...]:
+    """What of the configuration a call's plan depends on, cheaply: the active ``use_backend``
+    layers of this thread or task, the raw ``PORTABLE_NN_BACKEND``, and the generation of the
+    process-wide settings.  Equal states select alike (the ``use_threads`` context is keyed by
+    :mod:`portable_nn.threads`)."""
+    return _context_layers.get(), _read_env(), _generation
 
 
 def _known_backend_names() -> tuple[str, ...]:
@@ -132,6 +175,7 @@ def set_backend(name: str | None = None, /, **per_op: str) -> None:
     for op in removals:
         _check_per_op({op: "auto"})
     with _global_lock:
+        bump_generation()
         if name is None and not per_op:
             _global_layer = _Layer(source="set_backend")
             return
@@ -204,7 +248,8 @@ def _check_per_op_env(per_op: Mapping[str, str], source: str) -> None:
 
 def _env_layer() -> _Layer | None:
     global _env_cache
-    text = os.environ.get(ENV_VAR, "").strip()
+    text = (_read_env() or "")
+    text = (os.fsdecode(text) if isinstance(text, bytes) else text).strip()
     if not text:
         return None
     cached = _env_cache
@@ -270,6 +315,7 @@ def set_fallback(mode: str) -> None:
     if mode not in FALLBACK_MODES:
         raise ValueError(f"fallback mode must be one of {', '.join(FALLBACK_MODES)}, got {mode!r}")
     _fallback_mode = mode
+    bump_generation()
 
 
 def get_fallback() -> str:

@@ -29,7 +29,6 @@ take that argument's gradient back, so implementations never see them.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
 import inspect
 import threading
@@ -38,6 +37,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from . import _arrays, backends, config, preference
 from .backends import BackendStatus
@@ -157,6 +158,29 @@ class Call:
         arrays = fields.pop("arrays")
         params = fields.pop("params")
         return Call(self.op, arrays, params, **fields)
+
+    def derive(self, arrays: dict[str, Any], changes: Mapping[str, Any]) -> Call:
+        """A copy with ``arrays`` (a new dict, same names) and some core attributes replaced (as
+        :meth:`replace`, without re-copying the parameters: the dispatch fast path's form)."""
+        new = Call.__new__(Call)
+        attributes = new.__dict__
+        attributes.update(self.__dict__)
+        attributes.update(arrays)
+        attributes.update(changes)
+        attributes["arrays"] = arrays
+        return new
+
+    @classmethod
+    def assemble(cls, template: Mapping[str, Any], arrays: dict[str, Any]) -> Call:
+        """The call of a signature whose every other attribute is ``template`` (the ``__dict__`` of
+        an earlier call of the same signature without its arrays), with ``arrays``: how the plan
+        cache builds a call without validating it again (:mod:`portable_nn.plans`)."""
+        new = cls.__new__(cls)
+        attributes = new.__dict__
+        attributes.update(template)
+        attributes.update(arrays)
+        attributes["arrays"] = arrays
+        return new
 
     def __repr__(self) -> str:
         shapes = {k: tuple(v.shape) for k, v in self.arrays.items() if v is not None}
@@ -336,11 +360,23 @@ class Implementation:
     priority: float = 0
     origin: str = "builtin"
     scope: Any = None
+    #: ``plan(call) -> forward``: the forward specialised to ``call``'s signature (shapes, dtypes,
+    #: parameters: what a kernel wrapper decides before its kernels run), holding no array; the same
+    #: results as ``forward``.  Optional: dispatch's :class:`Route` binds it on its first call.
+    plan: Any = None
 
     def forward_fn(self) -> Callable[..., Any]:
         resolved = self.__dict__.get("_forward_resolved")
         if resolved is None:
             resolved = self.__dict__["_forward_resolved"] = _resolve(self.forward)
+        return resolved
+
+    def plan_fn(self) -> Callable[..., Any] | None:
+        if self.plan is None:
+            return None
+        resolved = self.__dict__.get("_plan_resolved")
+        if resolved is None:
+            resolved = self.__dict__["_plan_resolved"] = _resolve(self.plan)
         return resolved
 
     def backward_fn(self) -> Callable[..., Any] | None:
@@ -416,15 +452,18 @@ def register_builtin(
     supports: Support | None = None,
     priority: float = 0,
     scope: Any = None,
+    plan: Any = None,
 ) -> None:
     """Declare a built-in implementation (used by the reference and kernel packages).
 
     ``scope`` (a callable or ``"module:function"``) returns the context manager entered around
     every forward and backward of the implementation: its runtime's per-call arrangement.
+    ``plan`` (a callable or ``"module:function"``, optional) binds the forward to a call's signature
+    (:attr:`Implementation.plan`).
     """
     if op not in op_names():
         raise ValueError(f"unknown op {op!r}; expected one of {', '.join(op_names())}")
-    _add(Implementation(op, backend, forward, backward, supports or Support(), priority, scope=scope))
+    _add(Implementation(op, backend, forward, backward, supports or Support(), priority, scope=scope, plan=plan))
 
 
 def register_kernel(
@@ -613,6 +652,7 @@ _choices: dict[tuple, tuple[Implementation, tuple, tuple, tuple]] = {}
 def _forget_choices() -> None:
     _sorted.clear()
     _choices.clear()
+    config.bump_generation()  # plans made with the former registry are stale (portable_nn.plans)
 
 
 def implementations(op: str) -> list[Implementation]:
@@ -767,6 +807,8 @@ class Selection:
     copies: list[str]
     passed_over: list[tuple[str, str]]
     fallback: bool
+    #: the kernels for these arrays that declined the call (what ``set_fallback`` reports)
+    declined: tuple[tuple[str, str], ...] = ()
 
 
 def _copies_needed(impl: Implementation, call: Call) -> list[str]:
@@ -825,7 +867,8 @@ def select(call: Call, need_backward: bool = False, report: bool = True) -> Sele
         if all(_candidate_reason(i, call, need_backward)[0] == reason for i, reason in rechecked):
             if declined and report:
                 _report_fallback(call, impl, list(declined))
-            return Selection(impl, requested, source, _copies_needed(impl, call), list(passed), bool(declined))
+            return Selection(impl, requested, source, _copies_needed(impl, call), list(passed), bool(declined),
+                             tuple(declined))
     impls = implementations(call.op)
     if requested != "auto":
         selection = _select_forced(call, impls, requested, source, need_backward)
@@ -843,7 +886,8 @@ def select(call: Call, need_backward: bool = False, report: bool = True) -> Sele
                 _report_fallback(call, impl, declined)
             if route_declined is None:
                 _choices[key] = (impl, tuple(passed), tuple(declined), _value_checks(impls[: k + 1], reasons))
-            return Selection(impl, requested, source, _copies_needed(impl, call), passed, bool(declined))
+            return Selection(impl, requested, source, _copies_needed(impl, call), passed, bool(declined),
+                             tuple(declined))
         if route_declined is None or impl.backend != route_declined[0]:  # the route said more about it
             passed.append((impl.backend, reason))
         if targeted:
@@ -899,7 +943,7 @@ def _select_forced(
     return Selection(impl, requested, source, _copies_needed(impl, call), [], False)
 
 
-def _report_fallback(call: Call, impl: Implementation, declined: list[tuple[str, str]]) -> None:
+def _report_fallback(call: Call, impl: Implementation, declined: list[tuple[str, str]], stacklevel: int = 4) -> None:
     """Warn or raise (``set_fallback``) naming the kernels for these arrays that declined the call."""
     mode = config.get_fallback()
     if mode == "allow":
@@ -908,42 +952,30 @@ def _report_fallback(call: Call, impl: Implementation, declined: list[tuple[str,
     message = f"{call.op}: falling back to the {impl.backend} implementation because {why}"
     if mode == "error":
         raise BackendUnavailableError(message + " (set_fallback('error') is in force)")
-    warnings.warn(message, FallbackWarning, stacklevel=4)
+    warnings.warn(message, FallbackWarning, stacklevel=stacklevel)
 
 
 # --------------------------------------------------------------------------- running
 
 
-def _bridge_call(
-    call: Call, selection: Selection, bridge: Bridge, save: bool, needs: frozenset[str] | None
-) -> Call:
-    """The call as the implementation gets it: copies made, arrays bridged, ``save`` and ``needs`` set
-    (the call itself when none of that changes it: a plain forward on the caller's own arrays)."""
-    needs = needs if save else None
-    if not selection.copies and not bridge.active and save == call.save and needs == call.needs:
-        return call
-    arrays = dict(call.arrays)
-    for name in selection.copies:
-        arrays[name] = _arrays.ascontiguous(arrays[name])
-    if bridge.active:
-        arrays = {k: bridge.inward(v) for k, v in arrays.items()}
-        return call.replace(arrays=arrays, xp=bridge.native_namespace(), family=bridge.native, save=save,
-                            needs=needs)
-    return call.replace(arrays=arrays, save=save, needs=needs)
-
-
-@dataclass
 class Executed:
     """A forward that ran: its outputs and what a backward needs (with the call's input maps
     and namespace, to take the mapped arguments' gradients back)."""
 
-    outputs: tuple[Any, ...]
-    residuals: Any
-    impl: Implementation
-    bridge: Bridge
-    family: str
-    input_maps: Mapping[str, InputMap] = field(default_factory=dict)
-    xp: Any = None
+    __slots__ = ("_inward", "_outward", "bridge", "family", "impl", "input_maps", "outputs", "residuals", "xp")
+
+    def __init__(self, outputs: tuple[Any, ...], residuals: Any, impl: Implementation, bridge: Bridge, family: str,
+                 input_maps: Mapping[str, InputMap] | None = None, xp: Any = None,
+                 arrays: tuple[Any, Any] | None = None) -> None:
+        self.outputs = outputs
+        self.residuals = residuals
+        self.impl = impl
+        self.bridge = bridge
+        self.family = family
+        self.input_maps = {} if input_maps is None else input_maps
+        self.xp = xp
+        # The bridge's one-array forms (see Bridge.array_inward), when the caller has them made.
+        self._inward, self._outward = arrays if arrays is not None else (bridge.array_inward(), bridge.array_outward())
 
     def take_outputs(self) -> tuple[Any, ...]:
         """The outputs, forgotten here: a backward kept for later then does not keep them alive
@@ -955,16 +987,177 @@ class Executed:
         fn = self.impl.backward_fn()
         if fn is None:  # pragma: no cover - select() rules this out for vjp
             raise BackendUnavailableError(f"{self.impl.backend} has no backward for {self.impl.op}")
-        cts = tuple(self.bridge.inward(c) for c in cotangents)
+        bridge = self.bridge
+        if bridge.active:
+            inward = self._inward
+            cotangents = tuple([inward(c) for c in cotangents])
         # A mapped argument's buffer has its own shape, not the mapped array's: vjp fills it afterwards.
-        buffers = {k: self.bridge.inward(v) for k, v in out.items() if v is not None and k not in self.input_maps}
-        with NoGrad(self.family), self.bridge.context(), self.impl.runtime_scope():
-            grads = fn(self.residuals, cts, needs, buffers)
-        grads = {k: self.bridge.outward(v) for k, v in grads.items()}
+        buffers = {k: bridge.inward(v) for k, v in out.items() if v is not None and k not in self.input_maps} \
+            if out else {}
+        if (self.family == "torch" and not bridge.active) or bridge.has_context or self.impl.scope is not None:
+            with NoGrad(self.family), bridge.context(), self.impl.runtime_scope():
+                grads = fn(self.residuals, cotangents, needs, buffers)
+        else:  # NumPy arrays (a torch call's, bridged) on a kernel without a runtime scope: no context to enter
+            grads = fn(self.residuals, cotangents, needs, buffers)
+        if bridge.active:
+            outward, general = self._outward, bridge.outward
+            grads = {k: outward(v) if v is None or type(v) is np.ndarray else general(v) for k, v in grads.items()}
         if not self.input_maps:
             return grads
         with NoGrad(self.family):
             return adjoin_gradients(self.input_maps, self.xp, grads)
+
+
+class Route:
+    """How every call of one signature runs: the implementation :func:`select` chose, the bridge
+    to its native arrays, the contiguous copies, and what the forward keeps for a backward.
+
+    Made once per signature by :func:`route`; :func:`run` is ``route(call, ...).run(call)``, and the
+    plan cache (:mod:`portable_nn.plans`) keeps the route of each signature it has seen, so that a
+    repeated call runs exactly the code the first one ran, without choosing again.  Everything a
+    route holds depends on the signature only (no array, no value): the arrays of each call are
+    bridged, copied and handed to the implementation afresh.
+
+    Attributes:
+        selection: the :class:`Selection` (implementation, request, passed-over candidates).
+        impl: the implementation that runs.
+        bridge: the zero-copy bridge between the caller's arrays and the implementation's.
+        copies: names of the arrays made C-contiguous first (their signature is not).
+        save: whether the forward keeps residuals for a backward.
+        needs: with ``save``, the gradient names the backward may be asked for (``None``: any).
+        recorded: whether the forward runs in the caller's grad mode (torch's autograd records it).
+    """
+
+    __slots__ = (
+        "_bind",
+        "_changes",
+        "_direct",
+        "_fn",
+        "_inward",
+        "_no_grad",
+        "_outward",
+        "_plain",
+        "_scoped",
+        "bridge",
+        "copies",
+        "impl",
+        "needs",
+        "rechecked",
+        "recorded",
+        "save",
+        "selection",
+    )
+
+    def __init__(self, selection: Selection, call: Call, need_backward: bool = False,
+                 needs: frozenset[str] | None = None, recorded: bool = False) -> None:
+        impl = selection.impl
+        self.selection = selection
+        self.impl = impl
+        self.bridge = bridge = Bridge(call.family, impl.supports.native, call.device, call.dtype)
+        self.copies = tuple(selection.copies)
+        self.save = need_backward
+        self.needs = needs if need_backward else None
+        self.recorded = recorded
+        self._fn = impl.forward_fn()
+        self._bind = impl.plan_fn()  # bound to the signature on the first forward (it needs the bridged call)
+        self.rechecked = _user_checks(call, selection, need_backward)
+        # An implementation bridged to NumPy or CuPy views runs no torch op: there is no autograd to
+        # keep out (torch.no_grad() cost ~1 us of a small call), and nothing to record.
+        self._no_grad = call.family == "torch" and not bridge.active and not recorded
+        self._scoped = impl.scope is not None or bridge.has_context
+        self._inward, self._outward = bridge.array_inward(), bridge.array_outward()
+        changes: dict[str, Any] = {"save": self.save, "needs": self.needs}
+        if bridge.active:
+            changes.update(xp=bridge.native_namespace(), family=bridge.native)
+        self._changes = changes
+        # The implementation may take the caller's own call (nothing to copy, bridge or mark).
+        self._direct = (not self.copies and not bridge.active and self.save == call.save
+                        and self.needs == call.needs)
+        # The implementation runs on the caller's own call, with no context to enter: forward()
+        # calls it straight away once it is bound (a small call's commonest case).
+        self._plain = self._direct and not self._no_grad and not self._scoped and not call.input_maps
+
+    def _inner(self, call: Call, copies: Sequence[str]) -> Call:
+        """The call as the implementation gets it: copies made, arrays bridged, ``save``/``needs`` set."""
+        if self._direct and not copies:
+            return call
+        arrays = call.arrays
+        if copies:
+            arrays = dict(arrays)
+            for name in copies:
+                arrays[name] = _arrays.ascontiguous(arrays[name])
+        if self.bridge.active:
+            inward = self._inward
+            arrays = {k: inward(v) for k, v in arrays.items()}
+        return call.derive(arrays, self._changes)
+
+    def holds_for(self, call: Call) -> bool:
+        """Whether this route is still the choice for ``call``: every ``Support.check`` predicate of a
+        kernel added with :func:`register_kernel` that the choice consulted answers as it did
+        (such a predicate may read argument values; the built-in ones read only the signature)."""
+        need_backward = self.save
+        return all(_candidate_reason(impl, call, need_backward)[0] == reason for impl, reason in self.rechecked)
+
+    def report_fallback(self, call: Call) -> None:
+        """Warn or raise as ``set_fallback`` says when kernels for these arrays declined the call (as
+        :func:`select` did for the first call of the signature; the plan cache calls this for the others)."""
+        declined = self.selection.declined
+        if declined and config.get_fallback() != "allow":
+            _report_fallback(call, self.impl, list(declined), stacklevel=5)
+
+    def _forward(self, call: Call) -> tuple[tuple[Any, ...], Any]:
+        if self._plain and self._bind is None:  # the caller's own call, nothing to enter: straight in
+            outputs, residuals = self._fn(call)
+            return tuple(outputs), residuals
+        copies = self.copies
+        mapped = call
+        if call.input_maps:
+            with (contextlib.nullcontext() if self.recorded else NoGrad(call.family)):
+                mapped = call.mapped()  # in the caller's library, before any bridge
+            copies = _copies_needed(self.impl, mapped)
+        inner = self._inner(mapped, copies)
+        if self._bind is not None:
+            self._fn, self._bind = self._bind(inner), None
+        if self._no_grad or self._scoped:
+            with (NoGrad(call.family) if self._no_grad else contextlib.nullcontext()), self.bridge.context(), \
+                    self.impl.runtime_scope():
+                outputs, residuals = self._fn(inner)
+        else:
+            outputs, residuals = self._fn(inner)
+        if self.bridge.active:
+            outward = self._outward
+            return tuple([outward(y) for y in outputs]), residuals
+        return tuple(outputs), residuals
+
+    def forward(self, call: Call) -> tuple[Any, ...]:
+        """Run the forward of ``call`` (of this route's signature) and return its outputs."""
+        return self._forward(call)[0]
+
+    def run(self, call: Call) -> Executed:
+        """Run the forward of ``call`` (of this route's signature), keeping what a backward needs."""
+        outputs, residuals = self._forward(call)
+        return Executed(outputs, residuals, self.impl, self.bridge, call.family, call.input_maps, call.xp,
+                        (self._inward, self._outward))
+
+
+def _user_checks(call: Call, selection: Selection, need_backward: bool) -> tuple:
+    """The ``Support.check`` predicates of kernels added with :func:`register_kernel` that choosing
+    ``selection`` consulted (the candidates up to the chosen one under ``auto``; the forced one), each
+    with its answer for ``call``: what :meth:`Route.holds_for` asks again."""
+    impls = implementations(call.op)
+    if selection.requested != "auto":
+        considered = [i for i in impls if i is selection.impl]
+    else:
+        considered = impls[: impls.index(selection.impl) + 1] if selection.impl in impls else []
+    return tuple((impl, _candidate_reason(impl, call, need_backward)[0]) for impl in considered
+                 if impl.origin == "user" and impl.supports.check is not None)
+
+
+def route(call: Call, need_backward: bool = False, needs: frozenset[str] | None = None, *,
+          recorded: bool = False) -> Route:
+    """Select an implementation for ``call`` (reporting a fallback as ``set_fallback`` says) and
+    return the :class:`Route` its signature takes; arguments as :func:`run`."""
+    return Route(select(call, need_backward), call, need_backward, needs, recorded)
 
 
 def run(call: Call, need_backward: bool = False, needs: frozenset[str] | None = None, *,
@@ -981,16 +1174,4 @@ def run(call: Call, need_backward: bool = False, needs: frozenset[str] | None = 
             implementation written in torch's differentiable ops (``aten``), whose outputs
             autograd then differentiates itself (the torch adapter's direct path).
     """
-    selection = select(call, need_backward)
-    impl = selection.impl
-    bridge = Bridge(call.family, impl.supports.native, call.device, call.dtype)
-    grad_mode = contextlib.nullcontext if recorded else NoGrad
-    mapped = call
-    if call.input_maps:
-        with grad_mode(call.family):
-            mapped = call.mapped()  # in the caller's library, before any bridge
-        selection = dataclasses.replace(selection, copies=_copies_needed(impl, mapped))
-    inner = _bridge_call(mapped, selection, bridge, need_backward, needs)
-    with grad_mode(call.family), bridge.context(), impl.runtime_scope():
-        outputs, residuals = impl.forward_fn()(inner)
-    return Executed(bridge.outward(tuple(outputs)), residuals, impl, bridge, call.family, call.input_maps, call.xp)
+    return route(call, need_backward, needs, recorded=recorded).run(call)

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import _arrays, config
+from . import _arrays, config, plans
 from .dispatch import Call, _candidate_reason, backend_status, implementations, op_names, select
 from .errors import BackendUnavailableError
 
@@ -40,6 +40,9 @@ class Explanation:
         call: the validated :class:`Call`.
         error: the :class:`BackendUnavailableError` message
             the call would raise, or ``None``.
+        path: which path a plain call of these arguments takes: the fast path (a plan of its
+            signature is cached, :mod:`portable_nn.plans`), the full path now and a plan for
+            the next calls, or the full path on every call and why.
     """
 
     op: str
@@ -51,6 +54,7 @@ class Explanation:
     fallback: bool
     call: Call
     error: str | None = None
+    path: str = ""
 
     @property
     def implementation(self) -> str:
@@ -74,6 +78,8 @@ class Explanation:
         )
         for name, input_map in c.input_maps.items():  # applied before the implementation runs (any backend)
             lines.append(f"  input map: {name} {input_map}")
+        if self.path:
+            lines.append(f"  path: {self.path}")
         if self.fallback:
             lines.append("  fallback: a kernel for these arrays declined the call")
         for backend, reason in self.passed_over:
@@ -116,7 +122,9 @@ def explain(op: Any, *args: Any, **kwargs: Any) -> Explanation:
 
     Returns:
         An :class:`Explanation`; ``str()`` of it is a readable report and
-        ``.implementation`` names the choice, e.g. ``"layer_norm[numba]"``.
+        ``.implementation`` names the choice, e.g. ``"layer_norm[numba]"``;
+        ``.path`` says whether the call takes the fast path (a cached plan of its
+        signature) or the full one, and why.
 
     Raises:
         TypeError: ``op`` is not a portable_nn op, or an argument has a type the
@@ -127,7 +135,9 @@ def explain(op: Any, *args: Any, **kwargs: Any) -> Explanation:
 
     spec = spec_of(op)
     prepared = spec.prepare(*args, **kwargs)
-    return explain_call(prepared.call)
+    report = explain_call(prepared.call)
+    report.path = plans.describe(spec.name, None, args, kwargs)
+    return report
 
 
 def capabilities() -> list[dict[str, str]]:

@@ -76,6 +76,16 @@ def set_num_threads(n: int | None) -> None:
     """
     global _global
     _global = None if n is None else _check(n, "set_num_threads(n)")
+    from . import config
+
+    config.bump_generation()  # a plan made under the former count is not reused (portable_nn.plans)
+
+
+def state() -> int | None:
+    """The innermost :func:`use_threads` value of this thread or task (``None`` outside one): the
+    part of the thread configuration the plan cache keys calls by (:func:`set_num_threads` bumps
+    the configuration's generation instead)."""
+    return _context.get()
 
 
 def get_num_threads() -> int:

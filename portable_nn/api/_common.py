@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _arrays, dispatch
+from .. import _arrays, dispatch, plans
 from ._types import ARRAY_KINDS
 
 _GRAD_TYPES: dict[tuple[str, tuple[str, ...]], type] = {}
@@ -39,7 +39,12 @@ def grads_type(op: str, fields: tuple[str, ...]) -> type:
     return cls
 
 
-@dataclass
+def all_outputs(outputs: tuple[Any, ...], call: dispatch.Call) -> tuple[Any, ...]:
+    """The :attr:`Prepared.finish` of ops that return every output as a flat tuple."""
+    return tuple(outputs)
+
+
+@dataclass(slots=True)
 class Prepared:
     """A validated call, ready for dispatch.
 
@@ -48,9 +53,14 @@ class Prepared:
         grad_fields: the op's differentiable arguments, in signature order.
         values: those arguments as passed (``None`` where not given).
         n_diff_outputs: how many leading outputs take a cotangent.
-        finish: turns the implementation's outputs into the caller's result.
+        finish: ``finish(outputs, call)`` turns the implementation's outputs into the
+            caller's result (``call`` is this call: its arrays are the caller's).
         mutates: whether ``finish`` updates arguments in place (running statistics
             without ``return_stats``).
+        checks: the checks that read more than the call's signature (argument values,
+            which arrays are the same one): ``check(call)`` raises for bad input.  The op's
+            validation runs them once; a call that reuses a plan of its signature
+            (:mod:`portable_nn.plans`) runs only these.
         flatten_cotangent: for ops whose result nests outputs (lstm's
             ``(outputs, (h_n, c_n))``), turns the caller's cotangent, which
             mirrors the result, into the flat tuple of ``n_diff_outputs``
@@ -62,9 +72,10 @@ class Prepared:
     grad_fields: tuple[str, ...]
     values: dict[str, Any]
     n_diff_outputs: int = 1
-    finish: Callable[[tuple[Any, ...]], Any] = field(default=lambda outputs: outputs[0])
+    finish: Callable[[tuple[Any, ...], dispatch.Call], Any] = field(default=lambda outputs, call: outputs[0])
     flatten_cotangent: Callable[[Any], Any] | None = None
     mutates: bool = False
+    checks: tuple[Callable[[dispatch.Call], None], ...] = ()
 
     @property
     def given(self) -> frozenset[str]:
@@ -105,9 +116,7 @@ class OpSpec:
     function: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        prepared = self.prepare(*args, **kwargs)
-        executed = dispatch.run(prepared.call)
-        return prepared.finish(executed.outputs)
+        return self.function(*args, **kwargs)
 
     @functools.cached_property
     def signature(self) -> inspect.Signature:
@@ -180,14 +189,26 @@ def public_op(
         spec = OpSpec(prepare.__name__, prepare, tuple(grad_fields), outputs, tuple(updates),
                       tuple((optional_outputs or {}).items()))
 
+        name = spec.name
+
         @functools.wraps(prepare)
         def op(*args: Any, **kwargs: Any) -> Any:
+            plan, leaves, entry = plans.find(name, None, args, kwargs)
+            if plan is not None:  # the fast path: a plan of this call's signature
+                result = plan.run(leaves)
+                if result is not plans.STALE:
+                    return result
             try:
                 prepared = prepare(*args, **kwargs)
             except TypeError as exc:
                 _explain_binding(spec, args, kwargs, exc)
                 raise
-            return prepared.finish(dispatch.run(prepared.call).outputs)
+            call = prepared.call
+            route = dispatch.route(call)
+            result = prepared.finish(route.forward(call), call)
+            if entry is not None:
+                plans.remember(entry, leaves, name, prepared, route)
+            return result
 
         op._pnn_spec = spec  # type: ignore[attr-defined]
         object.__setattr__(spec, "function", op)  # frozen: the op exists only once the spec does

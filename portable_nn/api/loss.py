@@ -118,6 +118,12 @@ def _labels_in_range(target: Any, classes: int) -> bool:
     return False
 
 
+def _labels_valid(call: Any) -> None:
+    """The per-call check of ``cross_entropy`` with class targets (it reads their values)."""
+    if _arrays.has_values(call.target):
+        _check_labels(call.xp, call.target, call.classes, call.ignore_index)
+
+
 def _check_labels(xp: Any, target: Any, classes: int, ignore_index: int) -> None:
     """``ValueError`` naming ``target`` if a label is outside [0, C) and not ignore_index.
 
@@ -267,8 +273,6 @@ def cross_entropy(
             f"ignore_index={ignore_index} cannot apply to probability targets (only integer class targets "
             "can be ignored); leave ignore_index at its default, as PyTorch requires"
         )
-    if not probabilities and _arrays.has_values(target):
-        _check_labels(xp, target, classes, ignore_index)
 
     positions = 1  # N · d1 · ... : the number of loss terms
     for i, s in enumerate(logits.shape):
@@ -288,4 +292,5 @@ def cross_entropy(
     call = make_call("cross_entropy", arrays, params, family=family, device=device, dtype=dtype)
     if probabilities:
         return Prepared(call, ("logits", "target"), {"logits": logits, "target": target})
-    return Prepared(call, ("logits",), {"logits": logits})
+    _labels_valid(call)
+    return Prepared(call, ("logits",), {"logits": logits}, checks=(_labels_valid,))

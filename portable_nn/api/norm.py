@@ -18,6 +18,7 @@ import numpy as np
 from .. import _arrays
 from ._common import (
     Prepared,
+    all_outputs,
     channel_layout,
     check_array,
     check_bool,
@@ -104,25 +105,32 @@ def _trailing_axes(axis: Any, x: Any) -> tuple[int, ...]:
     return axes
 
 
-def _finish_with_stats(
-    running_mean: Any, running_var: Any, return_stats: bool
-) -> Any:
-    """The caller's result; applies in-place running-stat updates last."""
+def _finish_in_place(outputs: tuple[Any, ...], call: Any) -> Any:
+    """A norm's result with running statistics updated in place, last (after every computation)."""
+    y, new_mean, new_var = outputs
+    if new_mean is not None:
+        call.running_mean[...] = new_mean
+        call.running_var[...] = new_var
+    return y
 
-    def finish(outputs: tuple[Any, ...]) -> Any:
-        y, new_mean, new_var = outputs
-        if return_stats:
-            return (
-                y,
-                running_mean if new_mean is None else new_mean,
-                running_var if new_var is None else new_var,
-            )
-        if new_mean is not None:
-            running_mean[...] = new_mean
-            running_var[...] = new_var
-        return y
 
-    return finish
+def _finish_returning_stats(outputs: tuple[Any, ...], call: Any) -> Any:
+    """A norm's result with ``return_stats=True``: ``(y, running_mean, running_var)``, the given
+    statistics where none were computed."""
+    y, new_mean, new_var = outputs
+    return (
+        y,
+        call.running_mean if new_mean is None else new_mean,
+        call.running_var if new_var is None else new_var,
+    )
+
+
+def _running_stats_writable(call: Any) -> None:
+    """The per-call check of a norm that updates its running statistics in place: both writable
+    (a flag a torch tensor's signature does not carry) and not the same array."""
+    check_writable(call.running_mean, "running_mean")
+    check_writable(call.running_var, "running_var")
+    check_distinct({"running_mean": call.running_mean, "running_var": call.running_var})
 
 
 def _norm_params(
@@ -187,22 +195,23 @@ def _prepare_running_norm(
     if use_stats and count == 1:
         raise ValueError(too_few.format(shape=tuple(x.shape)))
     update = use_stats and running_mean is not None
-    if update and not return_stats:
-        check_writable(running_mean, "running_mean")
-        check_writable(running_var, "running_var")
-        check_distinct({"running_mean": running_mean, "running_var": running_var})
+    in_place = update and not return_stats
     params.update(
         _norm_params(axes=axes, view_shape=tuple(x.shape), param_shape=param_shape, use_batch_stats=use_stats,
                      update_running=update, stats_batch_axis=stats_batch_axis, momentum=momentum, mixed=mixed,
                      kind=kind, channel_axis=axis)
     )
     call = make_call(kind, named, params, family=family, device=device, dtype=dtype, layout=layout)
+    checks = (_running_stats_writable,) if in_place else ()
+    for check in checks:
+        check(call)
     return Prepared(
         call,
         _NORM_FIELDS,
         {"x": x, "weight": weight, "bias": bias},
-        finish=_finish_with_stats(running_mean, running_var, return_stats),
-        mutates=update and not return_stats,
+        finish=_finish_returning_stats if return_stats else _finish_in_place,
+        mutates=in_place,
+        checks=checks,
     )
 
 
@@ -266,7 +275,7 @@ def moments(x: Array, axis: Axes | None = None, *, keepdims: bool = False, corre
         raise ValueError(f"correction must be a non-negative finite number, got {correction!r}")
     params = {"axes": axes, "keepdims": check_bool(keepdims, "keepdims"), "correction": float(correction)}
     call = make_call("moments", {"x": x}, params, family=family, device=device, dtype=dtype)
-    return Prepared(call, ("x",), {"x": x}, n_diff_outputs=2, finish=lambda outputs: tuple(outputs))
+    return Prepared(call, ("x",), {"x": x}, n_diff_outputs=2, finish=all_outputs)
 
 
 def merge_moments(a: tuple[Any, Any, Any], b: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:

@@ -29,6 +29,7 @@ import numpy as np
 from .. import _arrays
 from ._common import (
     Prepared,
+    all_outputs,
     check_array,
     check_bool,
     check_int,
@@ -237,7 +238,7 @@ def max_pool(
     params["return_indices"] = return_indices = check_bool(return_indices, "return_indices")
     call = make_call("max_pool", {"x": x}, params, family=family, device=device, dtype=dtype, layout=layout)
     if return_indices:
-        return Prepared(call, _POOL_FIELDS, {"x": x}, finish=tuple)
+        return Prepared(call, _POOL_FIELDS, {"x": x}, finish=all_outputs)
     return Prepared(call, _POOL_FIELDS, {"x": x})
 
 
@@ -353,6 +354,14 @@ def _unpool_size(
     return sizes
 
 
+def _indices_in_plane(call: Any) -> None:
+    """The per-call check of ``max_unpool`` (it reads the values): every index in the output's plane."""
+    plane = 1
+    for size in call.out_size:
+        plane *= size
+    _check_unpool_indices(call.xp, call.indices, plane)
+
+
 def _check_unpool_indices(xp: Any, indices: Any, plane: int) -> None:
     """``ValueError`` naming ``indices`` if one lies outside [0, plane) (reads the values)."""
     if indices.size == 0 or not _arrays.has_values(indices):
@@ -443,10 +452,6 @@ def max_unpool(
     strides = win if stride is None else per_axis(stride, d, "stride", 1)
     pads = per_axis(padding, d, "padding", 0)
     out_size = _unpool_size(x, spatial_axes, win, strides, pads, output_size)
-    plane = 1
-    for size in out_size:
-        plane *= size
-    _check_unpool_indices(xp, indices, plane)
     params = {
         "spatial_axes": spatial_axes,
         "window": win,
@@ -459,4 +464,5 @@ def max_unpool(
     call = make_call(
         "max_unpool", {"x": x, "indices": indices}, params, family=family, device=device, dtype=dtype, layout=layout
     )
-    return Prepared(call, _POOL_FIELDS, {"x": x})
+    _indices_in_plane(call)
+    return Prepared(call, _POOL_FIELDS, {"x": x}, checks=(_indices_in_plane,))

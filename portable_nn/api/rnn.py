@@ -20,6 +20,7 @@ from typing import Any
 from .. import _arrays
 from ._common import (
     Prepared,
+    all_outputs,
     check_array,
     check_bool,
     check_param_dtypes,
@@ -121,7 +122,7 @@ def _prepare_cell(
     call = make_call(op, named, params, family=family, device=device, dtype=dtype)
     fields = tuple(named)
     if has_cell:
-        return Prepared(call, fields, named, n_diff_outputs=2, finish=lambda outputs: tuple(outputs))
+        return Prepared(call, fields, named, n_diff_outputs=2, finish=all_outputs)
     return Prepared(call, fields, named)
 
 
@@ -449,6 +450,11 @@ def _flatten_lstm_cotangent(cotangent: Any) -> tuple[Any, Any, Any]:
     return d_out, states[0], states[1]
 
 
+def _lstm_result(outputs: tuple[Any, ...], call: Any) -> Any:
+    """``lstm``'s result: ``(outputs, (h_n, c_n))``."""
+    return outputs[0], (outputs[1], outputs[2])
+
+
 def _prepare_sequence(
     op: str,
     gates: int,
@@ -513,10 +519,10 @@ def _prepare_sequence(
     if has_cell:
         return Prepared(
             call, fields, values, n_diff_outputs=3,
-            finish=lambda outputs: (outputs[0], (outputs[1], outputs[2])),
+            finish=_lstm_result,
             flatten_cotangent=_flatten_lstm_cotangent,
         )
-    return Prepared(call, fields, values, n_diff_outputs=2, finish=lambda outputs: tuple(outputs))
+    return Prepared(call, fields, values, n_diff_outputs=2, finish=all_outputs)
 
 
 @public_op(grad_fields=("x", "params", "h0"), outputs=("outputs", "h_n"))

@@ -174,7 +174,7 @@ def test_plain_backward_keeps_the_fused_kernels(path, monkeypatch):
     with it, the reference is differentiated and the pullback is not called."""
     monkeypatch.setattr(adapter_ops, "EAGER_PATH", path == "eager")
     calls = {"pullback": 0, "reference": 0}
-    remember, recompute = adapter_ops._remember, adapter_ops._differentiable_grads
+    remember, recompute = adapter_ops._remember_key, adapter_ops._differentiable_grads
 
     def counting_remember(pullback, fields):
         def counted(*args, **kwargs):
@@ -187,7 +187,7 @@ def test_plain_backward_keeps_the_fused_kernels(path, monkeypatch):
         calls["reference"] += 1
         return recompute(*args, **kwargs)
 
-    monkeypatch.setattr(adapter_ops, "_remember", counting_remember)
+    monkeypatch.setattr(adapter_ops, "_remember_key", counting_remember)  # (every path keeps pullbacks there)
     monkeypatch.setattr(adapter_ops, "_differentiable_grads", counting_recompute)
     x, w, b = _t(3, 4), _t(4), _t(4)
     pnt.layer_norm(x, w, b).pow(2).sum().backward()

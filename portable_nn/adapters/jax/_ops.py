@@ -596,7 +596,7 @@ def _finish(plan: _Plan, outputs: tuple[Any, ...], leaves: list[Any]) -> Any:
     """The caller's result from the implementation's outputs (as the portable_nn op returns it)."""
     # Outputs past the differentiable ones (new running statistics) carry no gradient.
     outputs = tuple(o if i < plan.n_diff or o is None else jax.lax.stop_gradient(o) for i, o in enumerate(outputs))
-    result = plan.prepared.finish(outputs)
+    result = plan.prepared.finish(outputs, plan.prepared.call)
     # finish() returns the running statistics themselves when it did not update them: give back
     # the caller's arrays, not the NumPy stand-ins validation saw.
     originals = {id(s): v for s, v in zip(plan.standins, leaves)}

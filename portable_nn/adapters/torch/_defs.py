@@ -221,12 +221,7 @@ def schema_arguments(spec: OpSpec) -> list[tuple[str, str, str]]:
 
 def encode(spec: OpSpec, values: dict[str, Any]) -> list[Any]:
     """The schema's argument values for a call's (bound) arguments; ``Unencodable`` if one cannot cross."""
-    encoders = _ENCODERS.get(spec.name)
-    if encoders is None:
-        encoders = _ENCODERS[spec.name] = [
-            (name, None if kind in ("Array", "Array | None") else KINDS[kind].encode)
-            for name, kind in spec.arguments.items() if not (spec.updates and name == RETURN_STATS)
-        ]
+    encoders = _ENCODERS[spec.name]
     flat: list[Any] = []
     for name, encode_one in encoders:
         value = values[name]
@@ -239,7 +234,15 @@ def encode(spec: OpSpec, values: dict[str, Any]) -> list[Any]:
     return flat
 
 
-_ENCODERS: dict[str, list[tuple[str, Callable[[Any, str], tuple[Any, ...]]]]] = {}
+def _encoders(spec: OpSpec) -> list[tuple[str, Callable[[Any, str], tuple[Any, ...]] | None]]:
+    """Each schema argument's name and encoder (``None`` for a tensor slot)."""
+    return [(name, None if kind in ("Array", "Array | None") else KINDS[kind].encode)
+            for name, kind in spec.arguments.items() if not (spec.updates and name == RETURN_STATS)]
+
+
+#: Every op's encoders, made at import: a table filled on first use is state ``torch.compile``
+#: guards on (a first eager call after a compile would then recompile the model).
+_ENCODERS: dict[str, list[tuple[str, Callable[[Any, str], tuple[Any, ...]] | None]]] = {}
 
 
 def _decoder(spec: OpSpec) -> Callable[[dict[str, Any]], dict[str, Any]]:
@@ -439,6 +442,7 @@ def _define_inplace(spec: OpSpec, args: str) -> None:
 
 
 for _spec in all_specs():
+    _ENCODERS[_spec.name] = _encoders(_spec)
     _def = _register(definition(_spec))
     if _spec.updates:
         _define_inplace(_spec, _def.args)

@@ -1,0 +1,240 @@
+"""The torch adapter's fast path: an eager call of a signature it has run before.
+
+``portable_nn.torch.layer_norm(t, w, b)`` and the drop-in modules, on plain tensors outside
+``torch.compile`` and functorch transforms, run here.  The signature (:mod:`portable_nn.plans`,
+keyed with the gradient fields autograd will want) gets a plan on its first call, and later
+calls replay it: no schema encoding, no custom op, no second validation or selection.  Three
+kinds of call:
+
+* nothing requires a gradient (or grad mode is off): the op's forward, as ``pnn.<op>`` runs it;
+* a convolution or dense layer that ``auto`` runs on PyTorch's own kernels (``aten``): its
+  forward in the caller's grad mode, so autograd records torch's own backward nodes (as
+  :func:`._ops._recorded_by_torch` does on the full path);
+* otherwise a plain ``autograd.Function`` (:class:`_EagerOp`) whose forward runs the op's ``vjp``
+  for the wanted fields and whose backward calls the pullback (or, under ``create_graph=True``,
+  differentiates the reference as :class:`._ops._EagerFullOp` does).
+
+Whatever the plan cannot replay takes the adapter's full path (:func:`._ops._call`): lists of
+tensors (the sequence ops), running statistics returned rather than updated, a tensor argument
+that requires a gradient the op does not define, an output that is not a fresh contiguous tensor
+(custom ops must return fresh tensors), signatures without a plan.  Results are the full path's:
+the same route runs the same implementation on the same arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ... import dispatch, plans
+from ...autodiff import _needs, pullback_of
+from . import _ops
+from ._defs import encode
+
+#: Returned by :func:`call` for a call the fast path leaves to the full path.
+NOT_TAKEN = object()
+
+_PLAIN = (Tensor, nn.Parameter)
+_compiling = torch.compiler.is_compiling
+_functorch_active = torch._C._are_functorch_transforms_active
+
+
+def _wanted(op: _ops._OpDef, values: dict[str, Any], grad: bool) -> tuple[str, ...] | None:
+    """The gradient fields autograd will want (their tensors require grad), in field order; ``None``
+    when the call is not the fast path's: a tensor of another type than a plain one or a
+    Parameter, or a tensor that requires a gradient the op does not define."""
+    want = []
+    for name, is_list in op.tensor_args:
+        value = values.get(name)
+        if value is None:
+            continue
+        if is_list or type(value) not in _PLAIN:
+            return None
+        if grad and value.requires_grad:
+            if op.field_of.get(name) != name:
+                return None  # the full path raises NotImplementedError for it in the backward
+            want.append(name)
+    return tuple(f for f in op.fields if f in want)
+
+
+def _fresh(outputs: Sequence[Any], values: dict[str, Any]) -> bool:
+    """Whether every output tensor is a contiguous tensor of its own memory (as custom ops must
+    return): checked on a signature's first call; what decides it (the implementation and the
+    layouts) is the signature's."""
+    taken = {t.untyped_storage().data_ptr() for t in values.values() if isinstance(t, Tensor) and t.numel()}
+    for t in outputs:
+        if t is None:
+            continue
+        if not isinstance(t, Tensor) or not t.is_contiguous():
+            return False
+        if t.numel():
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in taken:
+                return False
+            taken.add(ptr)
+    return True
+
+
+def _made_fresh(outputs: Sequence[Any], values: dict[str, Any]) -> tuple[Any, ...]:
+    """The outputs as the full path returns them: contiguous, cloned where one shares memory with an
+    input or an earlier output (:func:`._ops._fresh`, ``None`` outputs kept)."""
+    present = [t for t in outputs if t is not None]
+    made = iter(_ops._fresh(present, list(values.values())))
+    return tuple(None if t is None else next(made) for t in outputs)
+
+
+def call(spec: Any, values: dict[str, Any]) -> Any:
+    """The result of the adapter's function for op ``spec`` with arguments ``values`` (by name), or
+    :data:`NOT_TAKEN` when the full path must run it."""
+    op = _ops._OPS[spec.name]
+    if not _ops.EAGER_PATH or op.has_list_tensors or _compiling() or _functorch_active():
+        return NOT_TAKEN
+    if spec.updates and values.get("return_stats") is not False:
+        return NOT_TAKEN
+    grad = torch.is_grad_enabled()
+    want = _wanted(op, values, grad)
+    if want is None:
+        return NOT_TAKEN
+    plan, leaves, entry = plans.find(spec.name, ("torch", want), (), values)
+    if plan is not None:
+        if not want or plan.extras["recorded"]:
+            call_ = plan.call(leaves)
+            if call_ is None:
+                return NOT_TAKEN
+            return plan.finish(plan.route.forward(call_), call_)
+        return _apply(spec, op, values, want, plan, leaves, entry)
+    if not plans.plannable(entry):
+        return NOT_TAKEN
+    return _first_call(spec, op, values, want, leaves, entry)
+
+
+def _first_call(spec: Any, op: _ops._OpDef, values: dict[str, Any], want: tuple[str, ...], leaves: list[Any],
+                entry: Any) -> Any:
+    """A signature's first call: validated and routed in full, its plan left behind."""
+    try:
+        prepared = spec.prepare(**values)
+    except Exception:
+        return NOT_TAKEN
+    call_ = prepared.call
+    if not want:
+        route = dispatch.route(call_)
+        outputs = route.forward(call_)
+        if _fresh(outputs, values):
+            plans.remember(entry, leaves, spec.name, prepared, route, recorded=False)
+        else:
+            plans.refuse(entry, "its outputs are not fresh contiguous tensors (the adapter copies them)")
+            outputs = _made_fresh(outputs, values)
+        return prepared.finish(outputs, call_)
+    if _records(op, values, call_):
+        route = dispatch.route(call_, need_backward=True, recorded=True)
+        outputs = route.forward(call_)
+        plans.remember(entry, leaves, spec.name, prepared, route, recorded=True)
+        return prepared.finish(outputs, call_)
+    return _apply(spec, op, values, want, None, leaves, entry, prepared)
+
+
+def _records(op: _ops._OpDef, values: dict[str, Any], call_: dispatch.Call) -> bool:
+    """Whether autograd records the call's forward itself: the conditions of
+    :func:`._ops._recorded_by_torch` (an op torch differentiates, channels first, ``aten`` chosen)."""
+    if op.name not in _ops.TORCH_DIFFERENTIABLE or values.get("channel_axis", 1) != 1:
+        return False
+    x = values.get("x")
+    if not _ops._autograd_differentiates_aten(op.name, x.device.type != "cpu" and x.dtype == torch.float32):
+        return False
+    return dispatch.select(call_, need_backward=True, report=False).impl.backend == "aten"
+
+
+class _Job:
+    """What :class:`_EagerOp`'s forward runs: a call of a planned signature, or its first call."""
+
+    __slots__ = ("entry", "leaves", "op", "plan", "prepared", "spec", "values", "want")
+
+    def __init__(self, spec: Any, op: _ops._OpDef, values: dict[str, Any], want: tuple[str, ...], plan: Any,
+                 leaves: list[Any], entry: Any, prepared: Any) -> None:
+        self.spec, self.op, self.values, self.want = spec, op, values, want
+        self.plan, self.leaves, self.entry, self.prepared = plan, leaves, entry, prepared
+
+
+def _apply(spec: Any, op: _ops._OpDef, values: dict[str, Any], want: tuple[str, ...], plan: Any, leaves: list[Any],
+           entry: Any, prepared: Any = None) -> Any:
+    tensors = [values[name] for name in want]  # (field names are the tensor arguments' here)
+    flat = _EagerOp.apply(_Job(spec, op, values, want, plan, leaves, entry, prepared), *tensors)
+    return flat[0] if len(flat) == 1 else tuple(flat)
+
+
+class _EagerOp(torch.autograd.Function):
+    """One op under autograd: the forward runs its ``vjp`` (on the plan when there is one), the
+    backward its pullback, kept in :class:`._ops._EagerFullOp`'s table (released with autograd's saved
+    tensors)."""
+
+    @staticmethod
+    def forward(ctx: Any, job: _Job, *tensors: Tensor) -> Any:
+        spec, plan, prepared = job.spec, job.plan, job.prepared
+        if plan is not None:
+            prepared = plan.prepared(job.leaves)  # (None: a kernel added with register_kernel now declines)
+        if prepared is not None and plan is not None:
+            needs = plan.extras["needs"]
+            executed = plan.route.run(prepared.call)
+        else:
+            if prepared is None:
+                prepared = spec.prepare(**job.values)
+            needs = _needs(prepared, job.want, spec.name)
+            route = dispatch.route(prepared.call, need_backward=True, needs=needs)
+            executed = route.run(prepared.call)
+            if plan is None:
+                if _fresh(executed.outputs, job.values):
+                    plans.remember(job.entry, job.leaves, spec.name, prepared, route, recorded=False, needs=needs)
+                else:
+                    plans.refuse(job.entry, "its outputs are not fresh contiguous tensors (the adapter copies them)")
+                    executed.outputs = _made_fresh(executed.outputs, job.values)
+        outputs = executed.take_outputs()
+        pullback = pullback_of(spec.name, prepared, needs, executed, outputs)
+        result = prepared.finish(outputs, prepared.call)
+        flat = result if isinstance(result, tuple) else (result,)
+        op = job.op
+        if len(flat) > op.n_diff:
+            ctx.mark_non_differentiable(*flat[op.n_diff:])
+        key, handle = _ops._remember_key(pullback, needs)
+        ctx.pnn_key = key
+        ctx.pnn_job = (spec, op, job.want, needs)
+        # Every other tensor argument is kept too, for a create_graph=True backward that recomputes
+        # through the reference (as _EagerFullOp keeps them): not the running statistics this call
+        # updated in place (the reference then normalises with the batch's, and updates nothing).
+        values = job.values
+        skip = spec.updates if prepared.mutates else ()
+        others = [name for name, _ in op.tensor_args
+                  if name not in job.want and name not in skip and isinstance(values.get(name), Tensor)]
+        ctx.pnn_others = others
+        ctx.pnn_static = {k: None if k in skip else v for k, v in values.items()
+                          if not isinstance(v, Tensor) or k in skip}
+        ctx.save_for_backward(handle, *tensors, *(values[name] for name in others))
+        return flat
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Any:
+        spec, op, want, needs = ctx.pnn_job
+        result: list[Any] = [None] * (1 + len(want))
+        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients through the reference
+            _, *tensors = ctx.saved_tensors
+            values = dict(ctx.pnn_static)
+            values.update(zip((*want, *ctx.pnn_others), tensors))
+            bound = op.bind(encode(spec, values))
+            computed = _ops._differentiable_grads(op, bound, grads[: op.n_diff],
+                                                  {name: ctx.needs_input_grad[1 + k] for k, name in enumerate(want)})
+            for k, name in enumerate(want):
+                result[1 + k] = computed.get(name)
+            return tuple(result)
+        entry = _ops._saved.get(ctx.pnn_key)
+        if entry is None:
+            raise RuntimeError(f"portable_nn: trying to backward through {op.name} a second time: its saved state "
+                               "was freed after the first backward (pass retain_graph=True to it)")
+        computed = entry.pullback(op.nest(list(grads[: op.n_diff])))
+        flags = ctx.needs_input_grad
+        for k, name in enumerate(want):
+            if flags[1 + k] and name in needs:
+                grad = getattr(computed, name)
+                result[1 + k] = None if grad is None else grad.contiguous()
+        return tuple(result)
