@@ -21,7 +21,7 @@ import numpy as np
 from . import _arrays, dispatch, plans
 from .api._common import Prepared, grads_type, spec_of
 
-__all__ = ["pullback_of", "vjp"]
+__all__ = ["output_infos", "pullback_of", "vjp"]
 
 
 def _needs(prepared: Prepared, wrt: Any, op_name: str) -> frozenset[str]:
@@ -213,25 +213,40 @@ def vjp(op: Any, *args: Any, wrt: str | Iterable[str] | None = None, **kwargs: A
     plan, leaves, entry = plans.find(spec.name, ("vjp", wrt), args, kwargs)
     prepared = None if plan is None else plan.prepared(leaves)
     if prepared is not None:  # the fast path: a plan of this call's signature (portable_nn.plans)
-        needs = _needs(prepared, wrt, spec.name)
+        needs, cls, infos = plan.extras["vjp"]
         executed = plan.route.run(prepared.call)
-    else:
-        prepared = spec.prepare(*args, **kwargs)
-        needs = _needs(prepared, wrt, spec.name)
-        route = dispatch.route(prepared.call, need_backward=True, needs=needs)
-        executed = route.run(prepared.call)
-        if entry is not None:
-            plans.remember(entry, leaves, spec.name, prepared, route)
+        outputs = executed.take_outputs()
+        return prepared.finish(outputs, prepared.call), pullback_of(spec.name, prepared, needs, executed, outputs,
+                                                                     cls, infos)
+    prepared = spec.prepare(*args, **kwargs)
+    needs = _needs(prepared, wrt, spec.name)
+    route = dispatch.route(prepared.call, need_backward=True, needs=needs)
+    executed = route.run(prepared.call)
     outputs = executed.take_outputs()  # the pullback keeps the backward, not the outputs (see _OutputInfo)
-    return prepared.finish(outputs, prepared.call), pullback_of(spec.name, prepared, needs, executed, outputs)
+    cls = grads_type(spec.name, prepared.grad_fields)
+    infos = output_infos(prepared, outputs)
+    if entry is not None:  # an output's library, shape and dtype are the signature's: the plan keeps them
+        plans.remember(entry, leaves, spec.name, prepared, route, vjp=(needs, cls, infos))
+    return prepared.finish(outputs, prepared.call), pullback_of(spec.name, prepared, needs, executed, outputs,
+                                                                 cls, infos)
+
+
+def output_infos(prepared: Prepared, outputs: tuple[Any, ...]) -> tuple[_OutputInfo, ...]:
+    """What a pullback checks its cotangents against: each differentiable output's library, shape,
+    dtype and device (the signature's: a plan keeps them)."""
+    return tuple(_OutputInfo(y) for y in outputs[: prepared.n_diff_outputs])
 
 
 def pullback_of(op: str, prepared: Prepared, needs: frozenset[str], executed: dispatch.Executed,
-                outputs: tuple[Any, ...]) -> Callable[..., Any]:
+                outputs: tuple[Any, ...], cls: type | None = None,
+                infos: tuple[_OutputInfo, ...] | None = None) -> Callable[..., Any]:
     """The pullback of a forward that ran (``executed``, whose ``outputs`` the caller took), for
-    the gradients ``needs`` (see :func:`vjp`); it keeps the outputs' shapes and dtypes, not the outputs."""
-    diff_outputs = tuple(_OutputInfo(y) for y in outputs[: prepared.n_diff_outputs])
-    cls = grads_type(op, prepared.grad_fields)
+    the gradients ``needs`` (see :func:`vjp`); it keeps the outputs' shapes and dtypes, not the
+    outputs (``infos``, and the gradients' named tuple ``cls``, when the caller has them made)."""
+    diff_outputs = infos if infos is not None else output_infos(prepared, outputs)
+    if cls is None:
+        cls = grads_type(op, prepared.grad_fields)
+    fields = prepared.grad_fields
 
     def pullback(cotangent: Any, *, out: Any = None) -> Any:
         cts = _cotangents(prepared, diff_outputs, cotangent)
@@ -239,7 +254,7 @@ def pullback_of(op: str, prepared: Prepared, needs: frozenset[str], executed: di
         grads = executed.backward(cts, needs, buffers) if needs else {}
         for name, buffer in buffers.items():
             grads[name] = _fill(buffer, grads[name])
-        return cls(**{name: grads.get(name) if name in needs else None for name in prepared.grad_fields})
+        return cls(*[grads.get(name) if name in needs else None for name in fields])
 
     pullback.__doc__ = f"Pullback of {op}: cotangent(s) of the output(s) -> {cls.__name__}."
     return pullback

@@ -1070,16 +1070,16 @@ class Route:
         if bridge.active:
             changes.update(xp=bridge.native_namespace(), family=bridge.native)
         self._changes = changes
-        # The implementation may take the caller's own call (nothing to copy, bridge or mark).
-        self._direct = (not self.copies and not bridge.active and self.save == call.save
-                        and self.needs == call.needs)
-        # The implementation runs on the caller's own call, with no context to enter: forward()
-        # calls it straight away once it is bound (a small call's commonest case).
+        # The implementation may take the caller's own call when nothing is to be copied or bridged
+        # (and the call already says what the forward keeps: a plan's calls do, see Plan).
+        self._direct = not self.copies and not bridge.active
+        # ... and, with no context to enter, _forward calls it straight away once it is bound (a
+        # small call's commonest case).
         self._plain = self._direct and not self._no_grad and not self._scoped and not call.input_maps
 
     def _inner(self, call: Call, copies: Sequence[str]) -> Call:
         """The call as the implementation gets it: copies made, arrays bridged, ``save``/``needs`` set."""
-        if self._direct and not copies:
+        if self._direct and not copies and call.save is self.save and call.needs == self.needs:
             return call
         arrays = call.arrays
         if copies:
@@ -1106,8 +1106,8 @@ class Route:
             _report_fallback(call, self.impl, list(declined), stacklevel=5)
 
     def _forward(self, call: Call) -> tuple[tuple[Any, ...], Any]:
-        if self._plain and self._bind is None:  # the caller's own call, nothing to enter: straight in
-            outputs, residuals = self._fn(call)
+        if self._plain and self._bind is None and call.save is self.save and call.needs == self.needs:
+            outputs, residuals = self._fn(call)  # the caller's own call, nothing to enter: straight in
             return tuple(outputs), residuals
         copies = self.copies
         mapped = call

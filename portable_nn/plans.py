@@ -263,6 +263,8 @@ class Plan:
         self.slots = tuple(slots)
         self.template = {k: v for k, v in call.__dict__.items() if k not in call.arrays}
         self.template.pop("arrays")
+        if not route.bridge.active:  # the call already says what the forward keeps: no copy of it per call
+            self.template.update(save=route.save, needs=route.needs)
         self.checks = tuple(prepared.checks)
         self.finish = prepared.finish
         self.grad_fields = prepared.grad_fields

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from ... import dispatch, plans
-from ...autodiff import _needs, pullback_of
+from ...autodiff import _needs, output_infos, pullback_of
 from . import _ops
 from ._defs import encode
 
@@ -100,11 +100,9 @@ def call(spec: Any, values: dict[str, Any]) -> Any:
         return NOT_TAKEN
     plan, leaves, entry = plans.find(spec.name, ("torch", want), (), values)
     if plan is not None:
-        if not want or plan.extras["recorded"]:
-            call_ = plan.call(leaves)
-            if call_ is None:
-                return NOT_TAKEN
-            return plan.finish(plan.route.forward(call_), call_)
+        if not want or plan.extras["recorded"]:  # the op's forward, as pnn.<op> runs a planned call
+            result = plan.run(leaves)
+            return NOT_TAKEN if result is plans.STALE else result
         return _apply(spec, op, values, want, plan, leaves, entry)
     if not plans.plannable(entry):
         return NOT_TAKEN
@@ -175,8 +173,9 @@ class _EagerOp(torch.autograd.Function):
         spec, plan, prepared = job.spec, job.plan, job.prepared
         if plan is not None:
             prepared = plan.prepared(job.leaves)  # (None: a kernel added with register_kernel now declines)
+        infos = None
         if prepared is not None and plan is not None:
-            needs = plan.extras["needs"]
+            needs, infos = plan.extras["needs"], plan.extras["outputs"]
             executed = plan.route.run(prepared.call)
         else:
             if prepared is None:
@@ -186,12 +185,13 @@ class _EagerOp(torch.autograd.Function):
             executed = route.run(prepared.call)
             if plan is None:
                 if _fresh(executed.outputs, job.values):
-                    plans.remember(job.entry, job.leaves, spec.name, prepared, route, recorded=False, needs=needs)
+                    plans.remember(job.entry, job.leaves, spec.name, prepared, route, recorded=False, needs=needs,
+                                   outputs=output_infos(prepared, executed.outputs))
                 else:
                     plans.refuse(job.entry, "its outputs are not fresh contiguous tensors (the adapter copies them)")
                     executed.outputs = _made_fresh(executed.outputs, job.values)
         outputs = executed.take_outputs()
-        pullback = pullback_of(spec.name, prepared, needs, executed, outputs)
+        pullback = pullback_of(spec.name, prepared, needs, executed, outputs, infos=infos)
         result = prepared.finish(outputs, prepared.call)
         flat = result if isinstance(result, tuple) else (result,)
         op = job.op
