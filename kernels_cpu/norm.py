@@ -1029,7 +1029,7 @@ class NormPlan:
     """
 
     __slots__ = ("cdt", "center", "cg", "code", "columns", "direct_bias", "direct_weight", "eps", "h", "n_params",
-                 "nbytes", "s", "shape", "size", "slope", "span", "stats", "train", "update", "view", "xdt")
+                 "s", "shape", "size", "slope", "span", "stats", "train", "update", "view", "xdt")
 
     def __init__(self, call):
         self.h = h = _half.kind(call.dtype)
@@ -1050,7 +1050,6 @@ class NormPlan:
         self.shape = tuple(call.x.shape)
         self.xdt = np.dtype(np.uint16) if h is not None else cdt
         self.size = nn * p * c * q
-        self.nbytes = self.size * self.xdt.itemsize
 
     def _direct(self, param):
         return param is not None and self.h is None and param.ndim == 1 and param.dtype == self.cdt
@@ -1071,8 +1070,7 @@ class NormPlan:
         x = given if h is None else _half.bits(given)
         view = self.view
         x4 = x.reshape(view)
-        y = np.empty(self.shape, self.xdt) if self.nbytes < _runtime.POOL_MIN_BYTES else _runtime.empty(self.shape,
-                                                                                                         self.xdt)
+        y = _runtime.empty(self.shape, self.xdt)
         y4 = y.reshape(view)
         w = call.weight if self.direct_weight else self.weight(call)
         b = call.bias if self.direct_bias else self.bias(call)

@@ -966,7 +966,7 @@ class Executed:
 
     def __init__(self, outputs: tuple[Any, ...], residuals: Any, impl: Implementation, bridge: Bridge, family: str,
                  input_maps: Mapping[str, InputMap] | None = None, xp: Any = None,
-                 arrays: tuple[Any, Any] | None = None) -> None:
+                 converters: tuple[Any, Any] | None = None) -> None:
         self.outputs = outputs
         self.residuals = residuals
         self.impl = impl
@@ -975,7 +975,7 @@ class Executed:
         self.input_maps = {} if input_maps is None else input_maps
         self.xp = xp
         # The bridge's one-array forms (see Bridge.array_inward), when the caller has them made.
-        self._inward, self._outward = arrays if arrays is not None else (bridge.array_inward(), bridge.array_outward())
+        self._inward, self._outward = converters or (bridge.array_inward(), bridge.array_outward())
 
     def take_outputs(self) -> tuple[Any, ...]:
         """The outputs, forgotten here: a backward kept for later then does not keep them alive

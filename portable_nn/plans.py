@@ -181,10 +181,8 @@ def signature(op: str, mode: Any, args: tuple[Any, ...], kwargs: Mapping[str, An
             append((kind, value.shape, value.dtype, value.stride(), value.get_device()))
         else:
             _walk(value, key, leaves)
-    append(config._context_layers.get())
-    append(config._read_env())
-    append(config._generation)
-    append(threads._context.get())
+    append(config.state())
+    append(threads.state())
     return tuple(key), leaves
 
 

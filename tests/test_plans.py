@@ -33,26 +33,25 @@ def _fresh_cache():
     plans.set_cache_size(plans.DEFAULT_CACHE_SIZE)
 
 
-def _copy(tree):
+def _map_arrays(fn, tree):
+    """``tree`` (arguments: lists, tuples, dicts) with each NumPy array replaced by ``fn(array)``."""
     if isinstance(tree, np.ndarray):
-        return tree.copy()
+        return fn(tree)
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_copy(t) for t in tree)
+        return type(tree)(_map_arrays(fn, t) for t in tree)
     if isinstance(tree, dict):
-        return {k: _copy(v) for k, v in tree.items()}
+        return {k: _map_arrays(fn, v) for k, v in tree.items()}
     return tree
+
+
+def _copy(tree):
+    return _map_arrays(np.copy, tree)
 
 
 def _to_torch(tree):
     import torch
 
-    if isinstance(tree, np.ndarray):
-        return torch.from_numpy(tree.copy())
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_to_torch(t) for t in tree)
-    if isinstance(tree, dict):
-        return {k: _to_torch(v) for k, v in tree.items()}
-    return tree
+    return _map_arrays(lambda a: torch.from_numpy(a.copy()), tree)
 
 
 def _leaves(tree):

@@ -9,7 +9,7 @@ kinds of call:
 * nothing requires a gradient (or grad mode is off): the op's forward, as ``pnn.<op>`` runs it;
 * a convolution or dense layer that ``auto`` runs on PyTorch's own kernels (``aten``): its
   forward in the caller's grad mode, so autograd records torch's own backward nodes (as
-  :func:`._ops._recorded_by_torch` does on the full path);
+  :func:`._ops._recorded_by_torch` does on the full path, with :func:`._ops.may_record`);
 * otherwise a plain ``autograd.Function`` (:class:`_EagerOp`) whose forward runs the op's ``vjp``
   for the wanted fields and whose backward calls the pullback (or, under ``create_graph=True``,
   differentiates the reference as :class:`._ops._EagerFullOp` does).
@@ -60,30 +60,15 @@ def _wanted(op: _ops._OpDef, values: dict[str, Any], grad: bool) -> tuple[str, .
     return tuple(f for f in op.fields if f in want)
 
 
-def _fresh(outputs: Sequence[Any], values: dict[str, Any]) -> bool:
-    """Whether every output tensor is a contiguous tensor of its own memory (as custom ops must
-    return): checked on a signature's first call; what decides it (the implementation and the
-    layouts) is the signature's."""
-    taken = {t.untyped_storage().data_ptr() for t in values.values() if isinstance(t, Tensor) and t.numel()}
-    for t in outputs:
-        if t is None:
-            continue
-        if not isinstance(t, Tensor) or not t.is_contiguous():
-            return False
-        if t.numel():
-            ptr = t.untyped_storage().data_ptr()
-            if ptr in taken:
-                return False
-            taken.add(ptr)
-    return True
-
-
-def _made_fresh(outputs: Sequence[Any], values: dict[str, Any]) -> tuple[Any, ...]:
-    """The outputs as the full path returns them: contiguous, cloned where one shares memory with an
-    input or an earlier output (:func:`._ops._fresh`, ``None`` outputs kept)."""
+def _made_fresh(outputs: Sequence[Any], values: dict[str, Any]) -> tuple[tuple[Any, ...], bool]:
+    """The outputs as the full path returns them — contiguous, cloned where one shares memory with
+    an input or an earlier output (:func:`._ops._fresh`; ``None`` outputs kept) — and whether they
+    already were.  Checked on a signature's first call: what decides it (the implementation and
+    the layouts) is the signature's."""
     present = [t for t in outputs if t is not None]
-    made = iter(_ops._fresh(present, list(values.values())))
-    return tuple(None if t is None else next(made) for t in outputs)
+    fresh = _ops._fresh(present, list(values.values()))
+    made = iter(fresh)
+    return tuple(None if t is None else next(made) for t in outputs), all(a is b for a, b in zip(fresh, present))
 
 
 def call(spec: Any, values: dict[str, Any]) -> Any:
@@ -119,30 +104,18 @@ def _first_call(spec: Any, op: _ops._OpDef, values: dict[str, Any], want: tuple[
     call_ = prepared.call
     if not want:
         route = dispatch.route(call_)
-        outputs = route.forward(call_)
-        if _fresh(outputs, values):
+        outputs, fresh = _made_fresh(route.forward(call_), values)
+        if fresh:
             plans.remember(entry, leaves, spec.name, prepared, route, recorded=False)
         else:
             plans.refuse(entry, "its outputs are not fresh contiguous tensors (the adapter copies them)")
-            outputs = _made_fresh(outputs, values)
         return prepared.finish(outputs, call_)
-    if _records(op, values, call_):
+    if _ops.may_record(op.name, values.get("x"), values.get("channel_axis", 1)) and _ops.selects_aten(call_):
         route = dispatch.route(call_, need_backward=True, recorded=True)
         outputs = route.forward(call_)
         plans.remember(entry, leaves, spec.name, prepared, route, recorded=True)
         return prepared.finish(outputs, call_)
     return _apply(spec, op, values, want, None, leaves, entry, prepared)
-
-
-def _records(op: _ops._OpDef, values: dict[str, Any], call_: dispatch.Call) -> bool:
-    """Whether autograd records the call's forward itself: the conditions of
-    :func:`._ops._recorded_by_torch` (an op torch differentiates, channels first, ``aten`` chosen)."""
-    if op.name not in _ops.TORCH_DIFFERENTIABLE or values.get("channel_axis", 1) != 1:
-        return False
-    x = values.get("x")
-    if not _ops._autograd_differentiates_aten(op.name, x.device.type != "cpu" and x.dtype == torch.float32):
-        return False
-    return dispatch.select(call_, need_backward=True, report=False).impl.backend == "aten"
 
 
 class _Job:
@@ -184,12 +157,12 @@ class _EagerOp(torch.autograd.Function):
             route = dispatch.route(prepared.call, need_backward=True, needs=needs)
             executed = route.run(prepared.call)
             if plan is None:
-                if _fresh(executed.outputs, job.values):
+                executed.outputs, fresh = _made_fresh(executed.outputs, job.values)
+                if fresh:
                     plans.remember(job.entry, job.leaves, spec.name, prepared, route, recorded=False, needs=needs,
                                    outputs=output_infos(prepared, executed.outputs))
                 else:
                     plans.refuse(job.entry, "its outputs are not fresh contiguous tensors (the adapter copies them)")
-                    executed.outputs = _made_fresh(executed.outputs, job.values)
         outputs = executed.take_outputs()
         pullback = pullback_of(spec.name, prepared, needs, executed, outputs, infos=infos)
         result = prepared.finish(outputs, prepared.call)

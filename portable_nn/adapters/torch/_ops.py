@@ -554,6 +554,23 @@ def _autograd_differentiates_aten(name: str, float32_on_gpu: bool) -> bool:
     return name in TORCH_DIFFERENTIABLE and (name == "dense" or not float32_on_gpu)
 
 
+def may_record(name: str, x: Any, channel_axis: Any) -> bool:
+    """Whether autograd may record an eager call of op ``name`` itself, as far as the tensors say:
+    one of :data:`TORCH_DIFFERENTIABLE`, channels first, and not a float32 convolution on a GPU.
+
+    Decided from the tensors before any validation, so the calls that take the pullback path do
+    not validate twice.  Channels-last results and gradients would come back as permuted views;
+    the custom op (and so torch.compile) returns them contiguous, as the pullback path does.
+    """
+    return (name in TORCH_DIFFERENTIABLE and isinstance(x, Tensor) and channel_axis == 1
+            and _autograd_differentiates_aten(name, x.device.type != "cpu" and x.dtype == torch.float32))
+
+
+def selects_aten(call: dispatch.Call) -> bool:
+    """Whether the configuration runs ``call`` (with a backward) on ``aten``: autograd then records it."""
+    return dispatch.select(call, need_backward=True, report=False).impl.backend == "aten"
+
+
 def _recorded_by_torch(op: _OpDef, args: Sequence[Any]) -> tuple[Tensor, ...] | None:
     """The outputs of an eager call that runs on ``aten`` (see :data:`TORCH_DIFFERENTIABLE`),
     computed under the caller's autograd, which differentiates them; ``None`` when the call
@@ -561,17 +578,12 @@ def _recorded_by_torch(op: _OpDef, args: Sequence[Any]) -> tuple[Tensor, ...] | 
     if op.name not in TORCH_DIFFERENTIABLE:
         return None
     bound = op.bind(args)
-    x = bound.get("x")
-    # Decided from the tensors before any validation, so the calls that take the pullback path do
-    # not validate twice.  Channels-last results and gradients would come back as permuted views;
-    # the custom op (and so torch.compile) returns them contiguous, as the pullback path does.
-    if (not isinstance(x, Tensor) or bound.get("channel_axis", 1) != 1
-            or not _autograd_differentiates_aten(op.name, x.device.type != "cpu" and x.dtype == torch.float32)):
+    if not may_record(op.name, bound.get("x"), bound.get("channel_axis", 1)):
         return None
     _, kwargs = op.to_pnn(bound, False)
     prepared = spec_of(op.fn).prepare(**kwargs)
     call = prepared.call
-    if dispatch.select(call, need_backward=True, report=False).impl.backend != "aten":
+    if not selects_aten(call):
         return None
     executed = dispatch.run(call, need_backward=True, recorded=True)
     return tuple(op.flatten(prepared.finish(executed.take_outputs(), call), bound))
