@@ -12,11 +12,13 @@ Ops without a declaration here run on the array-API reference under ``auto``
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 from portable_nn.backends import Backend
 from portable_nn.dispatch import Support, register_builtin
 from portable_nn.kernel_checks import int32_pool_positions, int64_ignore_index
 from portable_nn.kernel_notes import options
+from portable_nn.kernel_plans import MIDDLE_AXES
 
 #: What every NumPy-native CPU kernel takes: NumPy arrays and CPU torch tensors
 #: (zero-copy views), float32/float64, C-contiguous (strided input is copied,
@@ -69,16 +71,26 @@ register_builtin(
     priority=NUMBA_PRIORITY,
 )
 
+def _middle_axes_in_full_precision(call: Any) -> str | None:
+    """The layer/RMS norm kernels over middle axes (``kernels_cpu._norm_middle``) take float32/float64."""
+    if call.layout == MIDDLE_AXES and call.dtype not in CPU_SUPPORT["dtypes"]:
+        return f"runs {MIDDLE_AXES} in float32/float64 only, not {call.dtype}"
+    return None
+
+
 for _op in ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm"):
+    _axes_norm = _op in ("layer_norm", "rms_norm")
     register_builtin(
         _op,
         BACKEND.name,
         forward="kernels_cpu.norm:norm_forward",
         backward="kernels_cpu.norm:norm_backward",
         plan="kernels_cpu.norm:norm_plan",
-        supports=Support(layouts=("channels_first", "channels_last"),
+        supports=Support(layouts=("channels_first", "channels_last", *((MIDDLE_AXES,) if _axes_norm else ())),
+                         check=_middle_axes_in_full_precision if _axes_norm else None,
                          description="float16/bfloat16 read and written in the loops (float32 arithmetic, float64 "
-                                     "statistics)",
+                                     "statistics)" + ("; trailing axes, or a block of axes followed by kept ones "
+                                                      "(float32/float64) without a transpose" if _axes_norm else ""),
                          **HALF_SUPPORT),
         priority=NUMBA_PRIORITY,
     )

@@ -26,11 +26,12 @@ and backward each read the big array once and write at most one.
   float64 values: fixed order, independent of the thread count.
 
 **exp.**  PyPI's Numba has no vector math library, so ``math.exp`` is a scalar
-libm call (PyPI's numba has no SVML).  :func:`_exp64` and :func:`_exp32` are branch-free
-exponentials (Cody–Waite reduction by ln 2, Taylor polynomial, 2^k added to the
-exponent bits) that LLVM vectorizes: float64 to < 5e-16 relative error (the
-tests hold float64 results to 1e-12 of the reference), float32 to < 2e-7, eight
-lanes per AVX2 vector.  Float32 data gets float32 exponentials (as the reference
+libm call (PyPI's numba has no SVML).  :func:`kernels_cpu._vmath.exp` is the package's
+branch-free exponential (Cody–Waite reduction by ln 2, a fitted polynomial, 2^k put into the
+exponent bits) that LLVM vectorizes: float64 to 2.3e-16 relative error (the
+tests hold float64 results to 1e-12 of the reference), float32 to 1.2e-7, eight
+lanes per AVX2 vector; 0 below −708 (float32: −87), ∞ above 709 (88), NaN for NaN.
+Float32 data gets float32 exponentials (as the reference
 and PyTorch compute them) and float64 sums; the exponentials of a row go through
 a scratch row (the output itself for log_softmax) before they are summed, so the
 exp loop stays eight lanes wide.
@@ -52,14 +53,14 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 
 from portable_nn.kernel_plans import split_axis
 
 from . import _runtime
 from ._runtime import into as _into
+from ._vmath import exp as _vexp
 
 # FMA contraction only: results stay deterministic (same code, same order), and the
 # polynomial and the Cody–Waite reduction get both faster and more accurate.
@@ -71,109 +72,7 @@ ROW_TASKS = 64
 #: Below this many elements the thread pool costs more than it saves (measured: it pays only above ~50 us of work).
 PARALLEL_MIN_ELEMENTS = 1 << 15
 
-_LOG2E = 1.4426950408889634
-_LN2_HI = 6.93147180369123816490e-01  # ln 2 with the low 32 bits cleared: k·_LN2_HI is exact
-_LN2_LO = 1.90821492927058770002e-10
-_SHIFT = 6755399441055744.0  # 1.5·2^52: adding it rounds to an integer held in the low mantissa bits
-
-
-# --------------------------------------------------------------------------- exp
-
-
-@intrinsic
-def _bits(typingctx, x):
-    """The IEEE-754 bits of a float64 as an int64 (a bitcast LLVM can vectorize)."""
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(64))
-
-    return types.int64(types.float64), codegen
-
-
-@intrinsic
-def _from_bits(typingctx, i):
-    """The float64 whose IEEE-754 bits are the int64 ``i``."""
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.DoubleType())
-
-    return types.float64(types.int64), codegen
-
-
-@intrinsic
-def _bits32(typingctx, x):
-    """The IEEE-754 bits of a float32 as an int32."""
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.int32(types.float32), codegen
-
-
-@intrinsic
-def _from_bits32(typingctx, i):
-    """The float32 whose IEEE-754 bits are the int32 ``i``."""
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return types.float32(types.int32), codegen
-
-
-@njit(**_OPTS)
-def _exp64(d):
-    """e^d in float64, vectorizable; 0 below −708, ∞ above 709, NaN for NaN.
-
-    d = k·ln 2 + r with |r| <= ln 2 / 2; e^r by its Taylor polynomial to r¹²/12!
-    (truncation < 2e-16 on that range) evaluated in Estrin form; 2^k is added to
-    the exponent field.  The integer k is read from the bits of d·log2(e) + 1.5·2^52
-    (no float-to-int conversion, which AVX2 cannot vectorize).
-    """
-    dc = d if d > -708.0 else -708.0
-    dc = dc if dc < 709.0 else 709.0
-    t = dc * _LOG2E + _SHIFT
-    k = t - _SHIFT
-    r = (dc - k * _LN2_HI) - k * _LN2_LO
-    r2 = r * r
-    r4 = r2 * r2
-    r8 = r4 * r4
-    b0 = (1.0 + r) + r2 * (0.5 + r * (1.0 / 6.0))
-    b1 = (1.0 / 24.0 + r * (1.0 / 120.0)) + r2 * (1.0 / 720.0 + r * (1.0 / 5040.0))
-    b2 = (1.0 / 40320.0 + r * (1.0 / 362880.0)) + r2 * (1.0 / 3628800.0 + r * (1.0 / 39916800.0))
-    p = (b0 + r4 * b1) + r8 * (b2 + r4 * (1.0 / 479001600.0))
-    e = _from_bits(_bits(p) + ((_bits(t) - _bits(_SHIFT)) << 52))
-    if d > -708.0:
-        return e if d < 709.0 else math.inf
-    return 0.0 if d <= -708.0 else d
-
-
-_F = np.float32
-# float32 constants (NumPy scalars keep Numba's arithmetic in float32).
-_LOG2E_F, _LN2_HI_F, _LN2_LO_F = _F(_LOG2E), _F(0.693145751953125), _F(1.428606765330187045e-06)
-_SHIFT_F, _LO_F, _HI_F = _F(12582912.0), _F(-87.0), _F(88.0)  # 1.5·2^23; e^−87 is at the normal limit
-_EXP_F = tuple(_F(1.0 / math.factorial(n)) for n in range(8))
-_ZERO_F, _INF_F = _F(0.0), _F(math.inf)
-
-
-@njit(**_OPTS)
-def _exp32(d):
-    """e^d in float32 (relative error < 2e-7), eight lanes per AVX2 vector; 0 below −87, ∞ from 88.
-
-    The same scheme as :func:`_exp64` with a degree-7 polynomial: float32 data gets
-    float32 exponentials (what the reference and PyTorch compute) and float64 sums.
-    """
-    dc = d if d > _LO_F else _LO_F
-    dc = dc if dc < _HI_F else _HI_F
-    t = dc * _LOG2E_F + _SHIFT_F
-    k = t - _SHIFT_F
-    r = (dc - k * _LN2_HI_F) - k * _LN2_LO_F
-    r2 = r * r
-    c = _EXP_F
-    p = (c[0] + r) + r2 * ((c[2] + r * c[3]) + r2 * ((c[4] + r * c[5]) + r2 * (c[6] + r * c[7])))
-    e = _from_bits32(_bits32(p) + ((_bits32(t) - _bits32(_SHIFT_F)) << 23))
-    if d > _LO_F:
-        return e if d < _HI_F else _INF_F
-    return _ZERO_F if d <= _LO_F else d
+# --------------------------------------------------------------------------- exp (see _vmath)
 
 
 def _as(v, like):
@@ -196,8 +95,8 @@ def _as_impl(v, like):
 @overload(_exp)
 def _exp_impl(d, like):
     if like == types.float32:
-        return lambda d, like: _exp32(np.float32(d))
-    return lambda d, like: _exp64(np.float64(d))
+        return lambda d, like: _vexp(np.float32(d))
+    return lambda d, like: _vexp(np.float64(d))
 
 
 # --------------------------------------------------------------------------- row statistics (Q = 1)
@@ -569,7 +468,7 @@ def _ce_grad_row(z, lab, tp, w, wd, base, C, pos, m, s, g, a_total, valid, eps, 
                 label = lab[pos]
                 i = _u(base + label)
                 a = (1.0 - eps) * w[label] + valid * (eps / C) * w[label]
-                dz[i] = g * (_exp64((np.float64(z[i]) - m) - s) * a_total - a)
+                dz[i] = g * (_vexp((np.float64(z[i]) - m) - s) * a_total - a)
     if need_t:
         scale = _as(-g * (1.0 - eps), like)
         for c in range(C):
@@ -597,14 +496,14 @@ def _ce_backward_task(z, lab, tp, w, wd, mx, ls, C, Q, tk, eps, ignore, prob, g,
             for i in range(n):
                 pc = (np.float64(z[_u(row + i)]) - mx[_u(p0 + i)]) - ls[_u(p0 + i)]
                 a = wc * ((1.0 - eps) * np.float64(tp[_u(row + i)]) + eps / C)
-                dz[_u(row + i)] = g[_u(p0 + i)] * (_exp64(pc) * tot[_u(p0 + i)] - a)
+                dz[_u(row + i)] = g[_u(p0 + i)] * (_vexp(pc) * tot[_u(p0 + i)] - a)
         elif need_z:
             for i in range(n):
                 pc = (np.float64(z[_u(row + i)]) - mx[_u(p0 + i)]) - ls[_u(p0 + i)]
                 label = lab[_u(p0 + i)]
                 a = (1.0 - eps) * wc if label == c else 0.0
                 a = a + (eps / C) * wc if label != ignore else 0.0
-                dz[_u(row + i)] = g[_u(p0 + i)] * (_exp64(pc) * tot[_u(p0 + i)] - a)
+                dz[_u(row + i)] = g[_u(p0 + i)] * (_vexp(pc) * tot[_u(p0 + i)] - a)
         if need_t:
             for i in range(n):
                 pc = (np.float64(z[_u(row + i)]) - mx[_u(p0 + i)]) - ls[_u(p0 + i)]

@@ -33,13 +33,13 @@ The cell ops are sequences of one step through the same two functions.  Everythi
 to two functions, each once per dtype.
 
 Transcendentals: PyPI's numba has no SVML, so ``math.exp``/``math.tanh`` would be scalar
-libm calls that keep the cell loops from vectorising.  :func:`_exp` is a range reduction
-(``x = k·ln2 + r``, Cody-Waite split ln2) with a polynomial in ``r`` (fitted here, evaluated
-by Estrin's scheme for a short dependency chain) and ``2**k`` built from its exponent bits:
-degree 6 in float32 and 11 in float64.  σ(z) = 1/(1 + e^−z) and tanh(z) = 2σ(2z) − 1.
-Measured maximum errors over the whole clamped range: exp 1.2e-7 (float32) and 3.2e-16
-(float64) relative; σ and tanh 1.8e-7 and 3.3e-16 absolute, so float64 results match the
-reference to ~1e-15.  A row of 65536 float32 LSTM gates takes ~55 us (libm: ~4x that).
+libm calls that keep the cell loops from vectorising.  ``_exp`` is :func:`kernels_cpu._vmath.exp`
+(the package's one vectorisable exponential, first written for this module: a range reduction
+``x = k·ln2 + r``, a polynomial in ``r`` and ``2**k`` built from its exponent bits).
+σ(z) = 1/(1 + e^−z) and tanh(z) = 2σ(2z) − 1 (one exp for a whole LSTM row, see _gates_row).
+Measured maximum errors: exp 1.2e-7 (float32) and 3.2e-16 (float64) relative; σ and tanh
+1.8e-7 and 3.3e-16 absolute, so float64 results match the reference to ~1e-15.  A row of
+65536 float32 LSTM gates takes ~55 us (libm: ~4x that).
 Constants are float32 scalars, exact in float64, so float32 code never widens to float64.
 
 Variable lengths (packed sequences): a step past a sequence's end leaves its state
@@ -74,18 +74,16 @@ data is transposed to time-major once on entry and back on exit.
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic, overload
+from numba import njit, prange
 
 from portable_nn.kernel_codes import GATES, GRU, GRU_ORIGINAL, LSTM, RNN_RELU, RNN_TANH
 from portable_nn.kernel_plans import caller_layout, time_major, without_padding
 
 from . import _runtime
 from ._blas import parallel_gemm
+from ._vmath import exp as _exp
 
 # ``contract`` lets LLVM fuse a*b + c into one FMA: it shortens the polynomials and is at
 # least as accurate (measured: the float32 LSTM cell pass 124 -> 97 us).  Helpers are inlined
@@ -101,94 +99,7 @@ _ONE = np.float32(1.0)
 _TWO = np.float32(2.0)
 
 
-# --------------------------------------------------------------------------- vectorisable exp, σ, tanh
-
-
-@intrinsic
-def _pow2(typingctx, k):
-    """2**k for an integer-valued float ``k`` in the normal exponent range, from its exponent bits."""
-    if k == types.float32:
-        ity, fty, bias, shift = ir.IntType(32), ir.FloatType(), 127, 23
-    elif k == types.float64:
-        ity, fty, bias, shift = ir.IntType(64), ir.DoubleType(), 1023, 52
-    else:
-        return None
-
-    def codegen(context, builder, sig, args):
-        # Through int32 even for float64: AVX2 converts packed doubles to int32, not to int64.
-        i = builder.fptosi(args[0], ir.IntType(32))
-        if ity.width == 64:
-            i = builder.sext(i, ity)
-        i = builder.shl(builder.add(i, ir.Constant(ity, bias)), ir.Constant(ity, shift))
-        return builder.bitcast(i, fty)
-
-    return k(k), codegen
-
-
-def _exp(x):
-    """e**x in Numba kernels (see the module docstring); plain ``math.exp`` from Python."""
-    return math.exp(x)
-
-
-# e**r on |r| <= ln2/2: least-squares fits on Chebyshev nodes weighted by 1/e**r (close to
-# minimax), made for this module.  Polynomial error: 9.6e-8 (float32, degree 6 evaluated in
-# float32) and 1.8e-16 (float64, degree 11); Taylor polynomials of degree 7 and 13 would be
-# needed for the same accuracy.
-_P32 = tuple(np.float32(c) for c in (
-    1.0, 1.0, 0.4999999403953552, 0.16666419804096222, 0.04166772589087486, 0.008374805562198162,
-    0.0013859259197488427,
-))
-_P64 = (
-    1.0, 1.0, 0.5000000000000013, 0.16666666666666052, 0.041666666666515556, 0.008333333333613325,
-    0.0013888888946891889, 0.00019841269330044532, 2.4801490113593883e-05, 2.7557707726637763e-06,
-    2.763121237710946e-07, 2.4968604288080825e-08,
-)
-
-
-# Not inlined at Numba IR level (that trips Numba's SSA checks with warnings): compiled once
-# per dtype, and LLVM inlines it into every vector loop anyway.
-@overload(_exp)
-def _exp_impl(x):
-    if x == types.float32:
-        lo, hi = np.float32(-87.0), np.float32(88.0)
-        log2e, half = np.float32(1.4426950408889634), np.float32(0.5)
-        ln2_hi, ln2_lo = np.float32(0.693359375), np.float32(-2.12194440e-4)
-        p0, p1, p2, p3, p4, p5, p6 = _P32
-
-        def exp32(x):
-            x = lo if x < lo else x
-            x = hi if x > hi else x
-            k = np.floor(x * log2e + half)
-            k = k if k == k else _ZERO  # NaN: keeps the conversion in _pow2 defined; q stays NaN
-            r = x - k * ln2_hi
-            r = r - k * ln2_lo
-            # Estrin's scheme: the same accuracy with half Horner's dependency chain
-            r2 = r * r
-            q = (p6 * r2 + (p5 * r + p4)) * r2 + (p3 * r + p2)
-            q = q * r2 + (p1 * r + p0)
-            return q * _pow2(k)
-
-        return exp32
-    if x == types.float64:
-        ln2_hi, ln2_lo = 6.93147180369123816490e-01, 1.90821492927058770002e-10
-        p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11 = _P64
-
-        def exp64(x):
-            x = -708.0 if x < -708.0 else x
-            x = 709.0 if x > 709.0 else x
-            k = np.floor(x * 1.4426950408889634 + 0.5)
-            k = k if k == k else 0.0
-            r = x - k * ln2_hi
-            r = r - k * ln2_lo
-            r2 = r * r
-            r4 = r2 * r2
-            hi = ((p11 * r + p10) * r2 + (p9 * r + p8)) * r2 + (p7 * r + p6)
-            lo = ((p5 * r + p4) * r2 + (p3 * r + p2)) * r2 + (p1 * r + p0)
-            q = hi * (r4 * r2) + lo
-            return q * _pow2(k)
-
-        return exp64
-    return None
+# --------------------------------------------------------------------------- σ, tanh (exp: _vmath)
 
 
 @njit(**_INLINE)

@@ -73,6 +73,19 @@ def canonical(call: Any) -> tuple[tuple[int, int, int, int], int, int]:
                      call.params.get("num_groups"))
 
 
+#: The layouts of a layer or RMS norm whose axes are not the trailing ones (trailing axes have
+#: layout ``None``, every backend's): a block of consecutive axes followed by kept ones (the channel
+#: axis of NCHW data), and any other set.  Kernels say which they take (``Support.layouts``).
+MIDDLE_AXES = "middle_axes"
+SCATTERED_AXES = "scattered_axes"
+
+
+def middle_view(shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[int, int, int]:
+    """``(O, R, I)`` of a :data:`MIDDLE_AXES` norm: the sizes before, of and after the normalised block."""
+    a, k = axes[0], len(axes)
+    return math.prod(shape[:a]), math.prod(shape[a:a + k]), math.prod(shape[a + k:])
+
+
 # --------------------------------------------------------------------------- moments: the plan
 #
 # ``moments`` reduces any set of axes of a C-contiguous x without a transpose.  Its plan (shared

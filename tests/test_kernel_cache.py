@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import portable_nn as pnn
@@ -12,24 +14,31 @@ NORMS = ("layer_norm", "batch_norm", "group_norm", "instance_norm")
 
 
 
-def test_cached_kernels_are_dropped_when_any_sibling_source_changes(tmp_path):
-    """Numba checks a cached kernel against its own file only; kernels inline sibling modules."""
+@pytest.mark.parametrize("where", ["beside the source", "NUMBA_CACHE_DIR"])
+def test_cached_kernels_are_dropped_when_any_sibling_source_changes(tmp_path, monkeypatch, where):
+    """Numba checks a cached kernel against its own file only; kernels inline sibling modules.  Wherever
+    Numba caches — beside the source, or under NUMBA_CACHE_DIR as a Docker image or a CI cache sets it."""
+    from numba.core import config as numba_config
+
     from portable_nn import kernel_cache
 
-    (tmp_path / "kernels.py").write_text("x = 1\n")
-    (tmp_path / "helpers.py").write_text("y = 1\n")
-    cache = tmp_path / "__pycache__"
-    cache.mkdir()
+    monkeypatch.setattr(numba_config, "CACHE_DIR", str(tmp_path / "numba_cache") if where == "NUMBA_CACHE_DIR" else "")
+    sources = tmp_path / "package"
+    sources.mkdir()
+    (sources / "kernels.py").write_text("x = 1\n")
+    (sources / "helpers.py").write_text("y = 1\n")
+    cache = Path(kernel_cache.numba_cache_dir(str(sources / "kernels.py")))
+    assert (cache.parent == sources) == (where == "beside the source")
+    cache.mkdir(parents=True, exist_ok=True)
     (cache / "kernels.f-1.py311.nbi").write_text("stale")
-    assert kernel_cache.drop_stale_cache(str(tmp_path / "kernels.py"))  # no fingerprint yet: dropped
+    assert kernel_cache.drop_stale_cache(str(sources / "kernels.py"))  # no fingerprint yet: dropped
     assert not list(cache.glob("*.nbi"))
     (cache / "kernels.f-1.py311.nbi").write_text("fresh")
-    assert not kernel_cache.drop_stale_cache(str(tmp_path / "kernels.py"))  # unchanged sources: kept
+    assert not kernel_cache.drop_stale_cache(str(sources / "kernels.py"))  # unchanged sources: kept
     assert list(cache.glob("*.nbi"))
-    (tmp_path / "helpers.py").write_text("y = 22\n")  # a sibling, not the kernel's own file
-    assert kernel_cache.drop_stale_cache(str(tmp_path / "kernels.py"))
+    (sources / "helpers.py").write_text("y = 22\n")  # a sibling, not the kernel's own file
+    assert kernel_cache.drop_stale_cache(str(sources / "kernels.py"))
     assert not list(cache.glob("*.nbi"))
-
 
 
 # --------------------------------------------------------------------------- compile notices
@@ -117,7 +126,7 @@ from numba.core import event
 class Marker(event.Listener):
     def on_start(self, ev):
         func = getattr(ev.data.get("dispatcher"), "py_func", None)
-        if func is not None and func.__module__.startswith("kernels_cpu."):
+        if func is not None and (func.__module__ or "").startswith("kernels_cpu."):  # (overloads: no module)
             sys.stderr.write("MARK compilation starts\\n")
             sys.stderr.flush()
     def on_end(self, ev):

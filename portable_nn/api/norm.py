@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .. import _arrays
+from ..kernel_plans import MIDDLE_AXES, SCATTERED_AXES
 from ._common import (
     Prepared,
     all_outputs,
@@ -94,15 +95,19 @@ def _common_params(eps: Any, activation: Any) -> dict[str, Any]:
     return {"eps": check_positive_float(eps, "eps"), "activation": parse_activation(activation)}
 
 
-def _trailing_axes(axis: Any, x: Any) -> tuple[int, ...]:
+def _normalised_axes(axis: Any, x: Any) -> tuple[tuple[int, ...], str | None]:
+    """The sorted axes ``axis`` names and the layout they make (``None`` when trailing)."""
     axes = normalize_axes(axis, x.ndim, "axis")
-    expected = tuple(range(x.ndim - len(axes), x.ndim))
-    if axes != expected:
-        raise ValueError(
-            f"axis={axis!r} must name the trailing axes of x (like PyTorch's normalized_shape), "
-            f"e.g. -1 or {tuple(range(-len(axes), 0))}; x has shape {tuple(x.shape)}"
-        )
-    return axes
+    if axes == tuple(range(x.ndim - len(axes), x.ndim)):
+        return axes, None
+    if axes == tuple(range(axes[0], axes[0] + len(axes))):
+        return axes, MIDDLE_AXES
+    return axes, SCATTERED_AXES
+
+
+def _param_shape(x: Any, axes: tuple[int, ...]) -> tuple[int, ...]:
+    """How a layer or RMS norm's parameters (the normalised axes' shape) broadcast against ``x``."""
+    return tuple(int(n) if i in axes else 1 for i, n in enumerate(x.shape))
 
 
 def _finish_in_place(outputs: tuple[Any, ...], call: Any) -> Any:
@@ -480,10 +485,12 @@ def layer_norm(
     eps: float = 1e-5,
     activation: ActivationLike = "identity",
 ) -> Any:
-    """Layer normalisation over the trailing ``axis`` with a fused activation.
+    """Layer normalisation over ``axis`` with a fused activation.
 
-    Per sample, over the trailing axes named by ``axis`` (PyTorch's
-    ``normalized_shape``), elementwise weight and bias:
+    Per position of the other axes, over the axes named by ``axis`` — usually the
+    trailing ones (PyTorch's ``normalized_shape``), or the channel axis of
+    channels-first data (``axis=1`` of NCHW: ConvNeXt's ``LayerNorm2d``), or any set
+    — with elementwise weight and bias:
 
         y = act((x − mean) / sqrt(var + eps) · weight + bias)
 
@@ -491,9 +498,11 @@ def layer_norm(
 
     Args:
         x: any shape with at least the normalised axes.
-        weight: the normalised shape ``x.shape[axis]``, or ``None`` for no scale.
+        weight: the normalised shape ``x.shape[axis]`` (the named axes' sizes, in
+            axis order), or ``None`` for no scale.
         bias: the normalised shape, or ``None`` for no shift.
-        axis: int or tuple naming the trailing axes, e.g. ``-1`` or ``(-2, -1)``.
+        axis: int or tuple naming the normalised axes: ``-1``, ``(-2, -1)``,
+            ``1`` (the channels of ``(N, C, *spatial)``), ``(0, 2)`` …
         eps: added to the variance, > 0.
         activation: fused activation, a name or an :class:`Activation` (see
             :data:`ACTIVATIONS`).
@@ -503,9 +512,9 @@ def layer_norm(
         float32 ``weight``/``bias`` (statistics in float32).
 
     Raises:
-        ValueError: axes that are not the trailing ones, out of range or
-            repeated; a weight or bias that is not the normalised shape;
-            ``eps <= 0``; an unknown activation; arrays on different devices.
+        ValueError: axes out of range or repeated; a weight or bias that is
+            not the normalised shape; ``eps <= 0``; an unknown activation;
+            arrays on different devices.
         TypeError: non-arrays, arrays of different libraries, a non-floating
             ``x``, dtype mixes other than float16/bfloat16 ``x`` with float32
             parameters, non-bool flags or non-numeric scalars.
@@ -518,34 +527,36 @@ def layer_norm(
 
     Backends:
         ``reference`` (the array-API implementation: every array library, device and
-        floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
-        zero-copy, float32 and float64); GPU kernels (``cupy``: CUDA C compiled through
-        CuPy's ``RawModule``; ``numba_cuda``) for CuPy arrays and CUDA torch tensors,
-        where ``pnn.capabilities()`` lists them.  ``pnn.explain`` reports which one a
-        call runs and why the others were passed over.
+        floating dtype, any axes); ``numba`` (CPU kernels for NumPy arrays and CPU torch
+        tensors, zero-copy, float32 and float64: trailing axes, and a block of
+        consecutive axes followed by kept ones such as NCHW's channels, in place
+        without a transpose); GPU kernels (``cupy``: CUDA C compiled through CuPy's
+        ``RawModule``; ``numba_cuda``) for CuPy arrays and CUDA torch tensors, trailing
+        axes, where ``pnn.capabilities()`` lists them.  ``pnn.explain`` reports which
+        one a call runs and why the others were passed over.
     """
     _, family, device, dtype, mixed = check_layer_arrays({"x": x, "weight": weight, "bias": bias}, ("weight", "bias"))
     check_min_ndim(x, "x", 1, "the normalised axes")
-    axes = _trailing_axes(axis, x)
+    axes, layout = _normalised_axes(axis, x)
     normalized = tuple(int(x.shape[i]) for i in axes)
     check_shape(weight, "weight", normalized, "the shape of the normalised axes of x")
     check_shape(bias, "bias", normalized, "the shape of the normalised axes of x")
     params = _common_params(eps, activation)
-    param_shape = (1,) * (x.ndim - len(axes)) + normalized
     params.update(
-        _norm_params(axes=axes, view_shape=tuple(x.shape), param_shape=param_shape,
+        _norm_params(axes=axes, view_shape=tuple(x.shape), param_shape=_param_shape(x, axes),
                      use_batch_stats=True, mixed=mixed, kind="layer_norm")
     )
     call = make_call("layer_norm", {"x": x, "weight": weight, "bias": bias}, params,
-                     family=family, device=device, dtype=dtype)
+                     family=family, device=device, dtype=dtype, layout=layout)
     return Prepared(call, _NORM_FIELDS, {"x": x, "weight": weight, "bias": bias})
 
 
 @public_op(grad_fields=("x", "weight"))
 def rms_norm(x: Array, weight: Array | None = None, *, axis: Axes = -1, eps: float = 1e-6) -> Any:
-    """Root-mean-square normalisation over the trailing ``axis``.
+    """Root-mean-square normalisation over ``axis``.
 
-    Per sample, over the trailing axes named by ``axis``:
+    Per position of the other axes, over the axes named by ``axis`` (usually the
+    trailing ones; any set, as in :func:`layer_norm`):
 
         y = x / sqrt(mean(x²) + eps) · weight
 
@@ -554,7 +565,7 @@ def rms_norm(x: Array, weight: Array | None = None, *, axis: Axes = -1, eps: flo
     Args:
         x: any shape with at least the normalised axes.
         weight: the normalised shape ``x.shape[axis]``, or ``None`` for no scale.
-        axis: int or tuple naming the trailing axes, e.g. ``-1`` or ``(-2, -1)``.
+        axis: int or tuple naming the normalised axes (see :func:`layer_norm`).
         eps: added to the mean square, > 0.
 
     Returns:
@@ -562,9 +573,8 @@ def rms_norm(x: Array, weight: Array | None = None, *, axis: Axes = -1, eps: flo
         a float32 ``weight`` (statistics in float32).
 
     Raises:
-        ValueError: axes that are not the trailing ones, out of range or
-            repeated; a weight that is not the normalised shape; ``eps <= 0``;
-            arrays on different devices.
+        ValueError: axes out of range or repeated; a weight that is not the
+            normalised shape; ``eps <= 0``; arrays on different devices.
         TypeError: non-arrays, arrays of different libraries, a non-floating
             ``x``, dtype mixes other than float16/bfloat16 ``x`` with float32
             parameters, non-bool flags or non-numeric scalars.
@@ -575,25 +585,21 @@ def rms_norm(x: Array, weight: Array | None = None, *, axis: Axes = -1, eps: flo
         ⊙ x̂ over the other axes, dx = r · (dy·w − x̂ · mean(dy·w ⊙ x̂)).
 
     Backends:
-        ``reference`` (the array-API implementation: every array library, device and
-        floating dtype); ``numba`` (CPU kernels for NumPy arrays and CPU torch tensors,
-        zero-copy, float32 and float64); GPU kernels (``cupy``: CUDA C compiled through
-        CuPy's ``RawModule``; ``numba_cuda``) for CuPy arrays and CUDA torch tensors,
-        where ``pnn.capabilities()`` lists them.  ``pnn.explain`` reports which one a
-        call runs and why the others were passed over.
+        as :func:`layer_norm`'s: the reference any axes, ``numba`` trailing axes and a
+        block of consecutive axes followed by kept ones, the GPU kernels trailing axes.
     """
     _, family, device, dtype, mixed = check_layer_arrays({"x": x, "weight": weight}, ("weight",))
     check_min_ndim(x, "x", 1, "the normalised axes")
-    axes = _trailing_axes(axis, x)
+    axes, layout = _normalised_axes(axis, x)
     normalized = tuple(int(x.shape[i]) for i in axes)
     check_shape(weight, "weight", normalized, "the shape of the normalised axes of x")
     params = _common_params(eps, "identity")
     params.update(
-        _norm_params(axes=axes, view_shape=tuple(x.shape), param_shape=(1,) * (x.ndim - len(axes)) + normalized,
+        _norm_params(axes=axes, view_shape=tuple(x.shape), param_shape=_param_shape(x, axes),
                      use_batch_stats=True, center=False, mixed=mixed, kind="rms_norm")
     )
     call = make_call("rms_norm", {"x": x, "weight": weight, "bias": None}, params,
-                     family=family, device=device, dtype=dtype)
+                     family=family, device=device, dtype=dtype, layout=layout)
     return Prepared(call, ("x", "weight"), {"x": x, "weight": weight})
 
 

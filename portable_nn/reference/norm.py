@@ -127,7 +127,8 @@ def moments_backward(residuals: Any, cotangents: tuple[Any, Any], needs: frozens
     dx = xp.zeros_like(xc) + dmean / max(n, 1)
     if denom > 0:
         dx = dx + dvar * (2.0 / denom) * (xc - mean)
-    return {"x": store(out, "x", xp.astype(dx, call.x.dtype))}
+    # (xp.asarray: NumPy's arithmetic on 0-d arrays gives scalars; the gradient is an array like x.)
+    return {"x": store(out, "x", xp.asarray(xp.astype(dx, call.x.dtype)))}
 
 
 # --------------------------------------------------------------------------- norms
@@ -161,9 +162,11 @@ def _updated_running_stats(xp: Any, call: Call, mean: Any, var: Any, v_shape: tu
     """PyTorch's update (``kernel_plans.momentum_update``), in the statistics' compute dtype."""
     rm, rv = call.running_mean, call.running_var
     n = _count(v_shape, call.axes)
-    if n == 0 or mean is None or (call.stats_batch_axis is not None and v_shape[0] == 0):
-        return rm, rv
     channels = rm.shape[0]
+    # Nothing to average (no element per channel, no channel, no instance): the statistics stay, as
+    # in PyTorch, which leaves them alone for empty input.
+    if n == 0 or channels == 0 or mean is None or (call.stats_batch_axis is not None and v_shape[0] == 0):
+        return rm, rv
     new_mean, new_var = momentum_update(
         xp, xp.astype(rm, mean.dtype), xp.astype(rv, var.dtype), xp.reshape(mean, (-1, channels)),
         xp.reshape(var, (-1, channels)), call.momentum, n)

@@ -37,6 +37,8 @@ from pnn_testing import (
     to_numpy,
     unchanged,
 )
+from portable_nn import dispatch
+from portable_nn.api._common import spec_of
 
 NORM_OPS = ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm")
 HALF = ("float16", "bfloat16")
@@ -161,7 +163,7 @@ def torch_norm(
     gradient of Σ dy·y (``None`` for absent parameters); the running statistics are PyTorch's
     after its in-place update (``None`` when not given).  ``kwargs``: ``training``/``momentum``
     (batch_norm), ``use_input_stats``/``momentum`` (instance_norm), ``num_groups`` (group_norm),
-    ``ndim`` (the number of trailing normalised axes: layer_norm, rms_norm), and ``eps``.
+    ``axes`` (the normalised axes, non-negative and sorted: layer_norm, rms_norm), and ``eps``.
     """
     leaves = {
         name: None if a is None else torch.tensor(a, dtype=torch.float64, requires_grad=True)
@@ -179,10 +181,17 @@ def torch_norm(
         )
     elif op == "group_norm":
         z = F.group_norm(xt, kwargs["num_groups"], wt, bt, eps=eps)
-    elif op == "layer_norm":
-        z = F.layer_norm(xt, x.shape[x.ndim - kwargs["ndim"] :], wt, bt, eps=eps)
-    elif op == "rms_norm":
-        z = F.rms_norm(xt, x.shape[x.ndim - kwargs["ndim"] :], wt, eps=eps)
+    elif op in ("layer_norm", "rms_norm"):
+        # Over any axes: PyTorch's trailing-axes norm of the permutation that puts them last.
+        axes = kwargs["axes"]
+        order = [i for i in range(x.ndim) if i not in axes] + list(axes)
+        moved = xt.permute(order)
+        shape = tuple(x.shape[i] for i in axes)
+        if op == "layer_norm":
+            z = F.layer_norm(moved, shape, wt, bt, eps=eps)
+        else:
+            z = F.rms_norm(moved, shape, wt, eps=eps)
+        z = z.permute([order.index(i) for i in range(x.ndim)])
     else:  # pragma: no cover
         raise AssertionError(op)
     y = ACTIVATIONS[activation][1](z)
@@ -318,12 +327,18 @@ def _num_groups(shape: tuple[int, ...], which: str) -> int:
     return next((g for g in range(2, channels) if channels % g == 0), 1)
 
 
-def _trailing_axis(ndim: int, which: str) -> tuple[int | tuple[int, ...], int]:
-    """(``axis`` argument, number of normalised axes): -1, or the last two as a tuple ((-1,) for 1-D)."""
-    if which == "-1":
-        return -1, 1
-    k = min(2, ndim)
-    return tuple(range(-k, 0)), k
+def _norm_axes(ndim: int, which: str) -> tuple[int | tuple[int, ...], tuple[int, ...]]:
+    """(``axis`` argument, the normalised axes): -1; the last two as a tuple ((-1,) for 1-D); and
+    the others where x has the axes for them — "1" the channel axis of (N, C, *), "(1,2)" a middle
+    block of two, "(0,2)" a scattered set — else the trailing -1."""
+    if which == "-1" or (which == "1" and ndim < 2) or (which == "(1,2)" and ndim < 4) \
+            or (which == "(0,2)" and ndim < 3):
+        return -1, (ndim - 1,)
+    if which == "(-2,-1)":
+        k = min(2, ndim)
+        return tuple(range(-k, 0)), tuple(range(ndim - k, ndim))
+    axes = {"1": (1,), "(1,2)": (1, 2), "(0,2)": (0, 2)}[which]
+    return (axes[0] if len(axes) == 1 else axes), axes
 
 
 def norm_problem(op: str, cfg: dict[str, Any]) -> NormProblem:
@@ -331,10 +346,10 @@ def norm_problem(op: str, cfg: dict[str, Any]) -> NormProblem:
     shape = cfg["shape"]
     params, activation = cfg.get("params", "w" if op == "rms_norm" else "wb"), cfg.get("activation", "identity")
     if op in ("layer_norm", "rms_norm"):
-        axis, k = _trailing_axis(len(shape), cfg["axis"])
+        axis, axes = _norm_axes(len(shape), cfg["axis"])
         return NormProblem(
-            op, shape, shape[len(shape) - k :], params, activation,
-            kwargs=_COMMON, pnn_kwargs={"axis": axis}, torch_kwargs={"ndim": k},
+            op, shape, tuple(shape[i] for i in axes), params, activation,
+            kwargs=_COMMON, pnn_kwargs={"axis": axis}, torch_kwargs={"axes": axes},
         )
     common = dict(params=params, activation=activation, channel_axis=cfg["channel_axis"])
     if op == "group_norm":
@@ -383,6 +398,15 @@ GRIDS = {
         {"shape": [(3, 4, 5)], "activation": _ACTS, "axis": _AXES, "params": ["wb", "none"]},
     ),
     "rms_norm": ({"shape": _LN_SHAPES, "axis": _AXES, "params": list(RMS_PARAMS)}, None),
+}
+
+
+#: Layer and RMS norm over axes that are not the trailing ones (ConvNeXt's channels, a middle block,
+#: a scattered set) on their own grid: the trailing grids above are the common case.
+AXES_GRIDS = {
+    "layer_norm": {"shape": [(3, 4, 5), (2, 4, 3, 5), (2, 3, 70, 7)], "axis": ["1", "(1,2)", "(0,2)"],
+                   "params": ["wb", "none", "wb-wrt-params", "wb-wrt-x"], "activation": ["identity", "relu"]},
+    "rms_norm": {"shape": [(3, 4, 5), (2, 4, 3, 5)], "axis": ["1", "(1,2)", "(0,2)"], "params": list(RMS_PARAMS)},
 }
 
 
@@ -448,6 +472,34 @@ def test_rms_norm_matches_torch(case, cfg):
     check_grid_point(case, "rms_norm", cfg)
 
 
+def check_axes_grid_point(case: Any, op: str, cfg: dict[str, Any]) -> None:
+    """As :func:`check_grid_point`; a backend whose declared support declines the axes' layout (forced
+    here) raises BackendUnavailableError, naming the layout, instead of running."""
+    p = norm_problem(op, cfg)
+    x = case.asarray(np.zeros(p.shape))
+    call = spec_of(getattr(pnn, op)).prepare(x, axis=p.pnn_kwargs["axis"]).call
+    impl = next(i for i in dispatch.implementations(op) if i.backend == case.backend)
+    reason = impl.supports.declines(call)
+    if reason is None:
+        check_against_torch(case, p, _seed(op, cfg))
+        return
+    assert call.layout in reason
+    with case.use(), pytest.raises(pnn.BackendUnavailableError, match=call.layout):
+        getattr(pnn, op)(x, axis=p.pnn_kwargs["axis"])
+
+
+@pytest.mark.parametrize("case", cases("layer_norm"))
+@pytest.mark.parametrize("cfg", grid(AXES_GRIDS["layer_norm"], id_fn=_id))
+def test_layer_norm_over_any_axes_matches_torch(case, cfg):
+    check_axes_grid_point(case, "layer_norm", cfg)
+
+
+@pytest.mark.parametrize("case", cases("rms_norm"))
+@pytest.mark.parametrize("cfg", grid(AXES_GRIDS["rms_norm"], id_fn=_id))
+def test_rms_norm_over_any_axes_matches_torch(case, cfg):
+    check_axes_grid_point(case, "rms_norm", cfg)
+
+
 #: Inputs of 48·24·30 = 34560 elements: above the Numba kernels' PARALLEL_MIN_ELEMENTS (2**15),
 #: so their parallel forward and chunked backward run (float32, as in tests/kernels/cpu/test_norm.py).
 _LARGE = [
@@ -462,6 +514,8 @@ _LARGE = [
     ("layer_norm", {"axis": "(-2,-1)", "params": "w"}),
     ("rms_norm", {"axis": "-1"}),
     ("rms_norm", {"axis": "(-2,-1)", "params": "w-wrt-weight"}),
+    ("layer_norm", {"axis": "1", "activation": "silu"}),
+    ("rms_norm", {"axis": "1", "params": "w-wrt-x"}),
 ]
 
 
@@ -890,6 +944,44 @@ def test_moments_zero_size_batch(case):
     assert_like(dx, x, "dx")
 
 
+@pytest.mark.parametrize("shape", [(4, 0, 5), (4, 6, 0), (0, 6, 5)], ids=["no-channel", "no-position", "no-sample"])
+@pytest.mark.parametrize("op", ["batch_norm", "instance_norm"])
+@pytest.mark.parametrize("case", cases("batch_norm"))
+def test_zero_size_axes_give_empty_results_and_zero_parameter_gradients(case, op, shape):
+    """PyTorch's semantics on every backend: an empty output, the running statistics left as they were
+    (nothing to average), an empty dx and zero gradients for the parameters, forward and backward."""
+    if op == "instance_norm" and not any(i.backend == case.backend for i in dispatch.implementations(op)):
+        pytest.skip(f"{case.backend} has no {op}")
+    channels = shape[1]
+    x = case.asarray(np.zeros(shape))
+    w, b = case.param(np.ones(channels)), case.param(np.zeros(channels))
+    rm, rv = case.param(np.full(channels, 0.5)), case.param(np.full(channels, 2.0))
+    with case.use():
+        y, pullback = pnn.vjp(getattr(pnn, op), x, weight=w, bias=b, running_mean=rm, running_var=rv)
+        grads = pullback(case.asarray(np.zeros(shape)))
+    assert_like(y, x, "y")
+    assert_like(grads.x, x, "dx")
+    for g, p in ((grads.weight, w), (grads.bias, b)):
+        assert_like(g, p, "dparam")
+        np.testing.assert_array_equal(to_numpy(g), 0.0)
+    np.testing.assert_array_equal(to_numpy(rm), 0.5)
+    np.testing.assert_array_equal(to_numpy(rv), 2.0)
+
+
+@pytest.mark.parametrize("case", cases("moments"))
+def test_moments_of_a_0d_array_have_an_array_gradient(case):
+    """axis=None on a 0-d x: the mean is x, the variance 0, and dx an array like x (NumPy's arithmetic on
+    0-d arrays gives scalars, which the reference must not hand back)."""
+    x = case.asarray(np.array(3.0))
+    stat = "float32" if case.dtype in HALF else case.dtype
+    with case.use():
+        (mean, var), pullback = pnn.vjp(pnn.moments, x, None)
+        dx = pullback((case.asarray(np.array(2.0), stat), case.asarray(np.array(5.0), stat))).x
+    assert_like(dx, x, "dx")
+    assert type(dx) is type(x), type(dx)  # (a NumPy scalar is "like" a 0-d array by dtype and shape)
+    assert float(to_numpy(mean)) == 3.0 and float(to_numpy(var)) == 0.0 and float(to_numpy(dx)) == 2.0
+
+
 @pytest.mark.parametrize("correction", [0, 1])
 @pytest.mark.parametrize("case", cases("moments"))
 def test_moments_of_an_empty_reduction_are_nan(case, correction):
@@ -1181,13 +1273,14 @@ _ERRORS = {
     "bad-activation-tuple": (lambda a: pnn.group_norm(a.x, 1, activation=("relu", 1.0)), ValueError, r"activation"),
     # axes
     "layer_norm-axis-out-of-range": (lambda a: pnn.layer_norm(a.x, axis=3), ValueError, r"axis=3 is out of range"),
-    "layer_norm-axis-not-trailing": (lambda a: pnn.layer_norm(a.x, axis=1), ValueError,
-                                     r"axis=1 must name the trailing axes"),
-    "layer_norm-axes-not-trailing": (lambda a: pnn.layer_norm(a.x, axis=(0, 2)), ValueError,
-                                     r"must name the trailing axes"),
+    "layer_norm-weight-not-the-named-axes": (lambda a: pnn.layer_norm(a.x, a.x[0, 0], axis=1), ValueError,
+                                             r"weight must .*the shape of the normalised axes of x"),
+    "layer_norm-bias-not-the-named-axes": (lambda a: pnn.layer_norm(a.x, None, a.x[0, :, 0], axis=(0, 2)),
+                                           ValueError, r"bias must .*the shape of the normalised axes of x"),
     "layer_norm-axes-repeated": (lambda a: pnn.layer_norm(a.x, axis=(-1, 2)), ValueError, r"axis contains repeated"),
     "rms_norm-axis-out-of-range": (lambda a: pnn.rms_norm(a.x, axis=-4), ValueError, r"axis=-4 is out of range"),
-    "rms_norm-axis-not-trailing": (lambda a: pnn.rms_norm(a.x, axis=(0,)), ValueError, r"trailing axes"),
+    "rms_norm-weight-not-the-named-axes": (lambda a: pnn.rms_norm(a.x, a.x[0, 0], axis=(0,)), ValueError,
+                                           r"weight must .*the shape of the normalised axes of x"),
     "batch_norm-channel_axis-0": (lambda a: _bn(a, channel_axis=0), ValueError, r"channel_axis must not be 0"),
     "group_norm-channel_axis-0": (lambda a: pnn.group_norm(a.x, 1, channel_axis=0), ValueError,
                                   r"channel_axis must not be 0"),
