@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import portable_nn.torch as pnt  # noqa: E402
+from portable_nn import dispatch  # noqa: E402
 from portable_nn.adapters.torch import _ops as adapter_ops  # noqa: E402
 
 DT = torch.float64
@@ -174,20 +175,17 @@ def test_plain_backward_keeps_the_fused_kernels(path, monkeypatch):
     with it, the reference is differentiated and the pullback is not called."""
     monkeypatch.setattr(adapter_ops, "EAGER_PATH", path == "eager")
     calls = {"pullback": 0, "reference": 0}
-    remember, recompute = adapter_ops._remember_key, adapter_ops._differentiable_grads
+    backward, recompute = dispatch.Executed.backward, adapter_ops._differentiable_grads
 
-    def counting_remember(pullback, fields):
-        def counted(*args, **kwargs):
-            calls["pullback"] += 1
-            return pullback(*args, **kwargs)
-
-        return remember(counted, fields)
+    def counting_backward(self, *args, **kwargs):  # (every path's kept backward ends here)
+        calls["pullback"] += 1
+        return backward(self, *args, **kwargs)
 
     def counting_recompute(*args, **kwargs):
         calls["reference"] += 1
         return recompute(*args, **kwargs)
 
-    monkeypatch.setattr(adapter_ops, "_remember_key", counting_remember)  # (every path keeps pullbacks there)
+    monkeypatch.setattr(dispatch.Executed, "backward", counting_backward)
     monkeypatch.setattr(adapter_ops, "_differentiable_grads", counting_recompute)
     x, w, b = _t(3, 4), _t(4), _t(4)
     pnt.layer_norm(x, w, b).pow(2).sum().backward()

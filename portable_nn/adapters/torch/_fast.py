@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from ... import dispatch, plans
-from ...autodiff import _needs, output_infos, pullback_of
+from ...autodiff import _needs, pullback_of
 from . import _ops
 from ._defs import encode
 
@@ -136,55 +136,60 @@ def _apply(spec: Any, op: _ops._OpDef, values: dict[str, Any], want: tuple[str, 
     return flat[0] if len(flat) == 1 else tuple(flat)
 
 
+class _Eager:
+    """What the forward of a signature's calls keeps beside its pullback, the same for every call
+    of it (so a plan keeps it, ``plan.extras["eager"]``): the gradients computed, the other tensor
+    arguments kept for a ``create_graph=True`` backward, the non-tensor arguments."""
+
+    __slots__ = ("needs", "others", "static")
+
+    def __init__(self, spec: Any, op: _ops._OpDef, values: dict[str, Any], want: tuple[str, ...],
+                 needs: frozenset[str], mutates: bool) -> None:
+        self.needs = needs
+        # The running statistics a call updated in place are not kept: the reference then normalises
+        # with the batch's, and updates nothing.
+        skip = spec.updates if mutates else ()
+        self.others = tuple(name for name, _ in op.tensor_args
+                            if name not in want and name not in skip and isinstance(values.get(name), Tensor))
+        self.static = {k: None if k in skip else v for k, v in values.items() if not isinstance(v, Tensor) or k in skip}
+
+
 class _EagerOp(torch.autograd.Function):
     """One op under autograd: the forward runs its ``vjp`` (on the plan when there is one), the
-    backward its pullback, kept in :class:`._ops._EagerFullOp`'s table (released with autograd's saved
-    tensors)."""
+    backward its executed forward's backward (kept in :class:`._ops._EagerFullOp`'s table, released
+    with autograd's saved tensors)."""
 
     @staticmethod
     def forward(ctx: Any, job: _Job, *tensors: Tensor) -> Any:
-        spec, plan, prepared = job.spec, job.plan, job.prepared
-        if plan is not None:
-            prepared = plan.prepared(job.leaves)  # (None: a kernel added with register_kernel now declines)
-        infos = None
-        if prepared is not None and plan is not None:
-            needs, infos = plan.extras["needs"], plan.extras["outputs"]
-            executed = plan.route.run(prepared.call)
-        else:
-            if prepared is None:
-                prepared = spec.prepare(**job.values)
-            needs = _needs(prepared, job.want, spec.name)
-            route = dispatch.route(prepared.call, need_backward=True, needs=needs)
-            executed = route.run(prepared.call)
-            if plan is None:
-                executed.outputs, fresh = _made_fresh(executed.outputs, job.values)
-                if fresh:
-                    plans.remember(job.entry, job.leaves, spec.name, prepared, route, recorded=False, needs=needs,
-                                   outputs=output_infos(prepared, executed.outputs))
-                else:
-                    plans.refuse(job.entry, "its outputs are not fresh contiguous tensors (the adapter copies them)")
+        plan = job.plan
+        # (None: a kernel added with register_kernel now declines the call)
+        call = None if plan is None else plan.call(job.leaves)
+        if call is not None:
+            # A planned call: no Prepared, no pullback closure — what they would hold is the plan's.
+            eager = plan.extras["eager"]
+            executed = plan.route.run(call)
+            result = plan.finish(executed.take_outputs(), call)
+            return _keep(ctx, job, tensors, executed, eager, result)
+        spec = job.spec
+        prepared = job.prepared if job.prepared is not None else spec.prepare(**job.values)
+        needs = _needs(prepared, job.want, spec.name)
+        route = dispatch.route(prepared.call, need_backward=True, needs=needs)
+        executed = route.run(prepared.call)
+        eager = _Eager(spec, job.op, job.values, job.want, needs, prepared.mutates)
+        if plan is None:
+            executed.outputs, fresh = _made_fresh(executed.outputs, job.values)
+            if not fresh:
+                plans.refuse(job.entry, "its outputs are not fresh contiguous tensors (the adapter copies them)")
+            elif prepared.flatten_cotangent is not None:
+                plans.refuse(job.entry, "its cotangents are nested (the full path's pullback unnests them)")
+            else:
+                plans.remember(job.entry, job.leaves, spec.name, prepared, route, recorded=False, needs=needs,
+                               eager=eager)
         outputs = executed.take_outputs()
-        pullback = pullback_of(spec.name, prepared, needs, executed, outputs, infos=infos)
         result = prepared.finish(outputs, prepared.call)
-        flat = result if isinstance(result, tuple) else (result,)
-        op = job.op
-        if len(flat) > op.n_diff:
-            ctx.mark_non_differentiable(*flat[op.n_diff:])
-        key, handle = _ops._remember_key(pullback, needs)
-        ctx.pnn_key = key
-        ctx.pnn_job = (spec, op, job.want, needs)
-        # Every other tensor argument is kept too, for a create_graph=True backward that recomputes
-        # through the reference (as _EagerFullOp keeps them): not the running statistics this call
-        # updated in place (the reference then normalises with the batch's, and updates nothing).
-        values = job.values
-        skip = spec.updates if prepared.mutates else ()
-        others = [name for name, _ in op.tensor_args
-                  if name not in job.want and name not in skip and isinstance(values.get(name), Tensor)]
-        ctx.pnn_others = others
-        ctx.pnn_static = {k: None if k in skip else v for k, v in values.items()
-                          if not isinstance(v, Tensor) or k in skip}
-        ctx.save_for_backward(handle, *tensors, *(values[name] for name in others))
-        return flat
+        if prepared.flatten_cotangent is not None:
+            executed = pullback_of(spec.name, prepared, needs, executed, outputs)
+        return _keep(ctx, job, tensors, executed, eager, result)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> Any:
@@ -204,10 +209,34 @@ class _EagerOp(torch.autograd.Function):
         if entry is None:
             raise RuntimeError(f"portable_nn: trying to backward through {op.name} a second time: its saved state "
                                "was freed after the first backward (pass retain_graph=True to it)")
-        computed = entry.pullback(op.nest(list(grads[: op.n_diff])))
+        kept = entry.pullback
+        if type(kept) is dispatch.Executed:
+            # Autograd's cotangents are the outputs' shapes and dtypes (zeros for an unused output):
+            # the pullback's checks of a user's cotangent have nothing to catch here.
+            computed = kept.backward(grads[: op.n_diff], needs, {}) if needs else {}
+            pick = computed.get
+        else:
+            pick = kept(op.nest(list(grads[: op.n_diff])))._asdict().get
         flags = ctx.needs_input_grad
         for k, name in enumerate(want):
             if flags[1 + k] and name in needs:
-                grad = getattr(computed, name)
+                grad = pick(name)
                 result[1 + k] = None if grad is None else grad.contiguous()
         return tuple(result)
+
+
+def _keep(ctx: Any, job: _Job, tensors: tuple[Tensor, ...], executed: Any, eager: _Eager, result: Any) -> Any:
+    """Keep on ``ctx`` what the backward needs (the executed forward, or a pullback, in the table;
+    the tensors for a ``create_graph=True`` backward) and return the forward's flat outputs."""
+    flat = result if isinstance(result, tuple) else (result,)
+    op = job.op
+    if len(flat) > op.n_diff:
+        ctx.mark_non_differentiable(*flat[op.n_diff:])
+    key, handle = _ops._remember_key(executed, eager.needs)
+    ctx.pnn_key = key
+    ctx.pnn_job = (job.spec, op, job.want, eager.needs)
+    ctx.pnn_others = eager.others
+    ctx.pnn_static = eager.static
+    values = job.values
+    ctx.save_for_backward(handle, *tensors, *(values[name] for name in eager.others))
+    return flat

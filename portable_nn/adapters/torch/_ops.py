@@ -559,8 +559,10 @@ def may_record(name: str, x: Any, channel_axis: Any) -> bool:
     one of :data:`TORCH_DIFFERENTIABLE`, channels first, and not a float32 convolution on a GPU.
 
     Decided from the tensors before any validation, so the calls that take the pullback path do
-    not validate twice.  Channels-last results and gradients would come back as permuted views;
-    the custom op (and so torch.compile) returns them contiguous, as the pullback path does.
+    not validate twice.  Channels-last results and gradients would come back as permuted views
+    where torch's kernel returns channels first (float64, 1-D); the custom op (and so
+    torch.compile) returns them contiguous, as the pullback path does — for ``channels_last``
+    tensors too, which reach the op as channels-last calls on their view (:mod:`._layout`).
     """
     return (name in TORCH_DIFFERENTIABLE and isinstance(x, Tensor) and channel_axis == 1
             and _autograd_differentiates_aten(name, x.device.type != "cpu" and x.dtype == torch.float32))

@@ -16,7 +16,7 @@ import torch
 
 from ...api._common import OpSpec, all_specs
 from .. import op_function
-from . import _fast
+from . import _fast, _layout
 from ._defs import RETURN_STATS, Unencodable, encode, nest_outputs, result_of, store_updates, updated
 from ._ops import _OPS, _call, _eager, _wrt_mask
 
@@ -50,7 +50,13 @@ def _with_updates(spec: OpSpec, schema_args: list[Any], values: dict[str, Any], 
 
 
 def _make(spec: OpSpec) -> Callable[..., Any]:
+    laid_out = _layout.laid_out_ops()
+
     def run(values: dict[str, Any]) -> Any:
+        if spec.name in laid_out:
+            moved = _layout.channels_last_call(spec.name, values)
+            if moved is not None:  # channels_last data: the channels-last call on its view, and back
+                return _layout.restore(run(moved), values["x"].dim())
         result = _fast.call(spec, values)  # a signature run before (see _fast)
         if result is not _fast.NOT_TAKEN:
             return result

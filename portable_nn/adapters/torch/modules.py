@@ -32,11 +32,15 @@ class _FusedRepr:
     """First base of the modules with a fused activation: ``torch.nn``'s ``extra_repr`` plus the
     activation and a channels-last layout where they are not the defaults."""
 
+    #: The ``channel_axis`` the repr leaves out (1, channels first; the layer and RMS norms: None, trailing).
+    _default_channel_axis: int | None = 1
+
     def extra_repr(self) -> str:
         text = super().extra_repr()  # type: ignore[misc]
-        if not self.activation.is_identity:  # type: ignore[attr-defined]
+        if not getattr(self, "activation", parse_activation("identity")).is_identity:
             text += f", activation={self.activation}"  # type: ignore[attr-defined]
-        return text + ("" if getattr(self, "channel_axis", 1) == 1 else ", channel_axis=-1")
+        channel_axis = getattr(self, "channel_axis", self._default_channel_axis)
+        return text + ("" if channel_axis == self._default_channel_axis else f", channel_axis={channel_axis}")
 
 
 def _check_channel_axis(channel_axis: Any) -> int:
@@ -45,19 +49,53 @@ def _check_channel_axis(channel_axis: Any) -> int:
     return int(channel_axis)
 
 
+def _normalised_axes(module: Any, input: Tensor) -> tuple[int, ...]:
+    """The axes of ``input`` a layer or RMS norm module normalises: the trailing ``normalized_shape``
+    axes, or those from ``channel_axis`` on; their sizes must be ``normalized_shape``."""
+    shape, k, channel_axis = tuple(module.normalized_shape), len(module.normalized_shape), module.channel_axis
+    name = type(module).__name__
+    if channel_axis is None:
+        axes = tuple(range(input.ndim - k, input.ndim))
+        expected = f"(*, {', '.join(map(str, shape))})"
+    else:
+        first = channel_axis + input.ndim if channel_axis < 0 else channel_axis
+        axes = tuple(range(first, first + k))
+        expected = f"({', '.join(['*'] * first + list(map(str, shape)))}, *)"
+        if first < 0 or first + k > input.ndim:
+            raise ValueError(f"{name}: expected input with shape {expected} (channel_axis={channel_axis}), "
+                             f"got {tuple(input.shape)}")
+    if input.ndim < k or tuple(input.shape[a] for a in axes) != shape:
+        raise ValueError(f"{name}: expected input with shape {expected}, got {tuple(input.shape)}")
+    return axes
+
+
+def _check_norm_axis(channel_axis: Any) -> int | None:
+    if channel_axis is not None and (isinstance(channel_axis, bool) or not isinstance(channel_axis, int)):
+        raise TypeError(f"channel_axis must be None (the trailing axes) or an int, got {channel_axis!r}")
+    return channel_axis
+
+
 class LayerNorm(_FusedRepr, nn.LayerNorm):
     """Drop-in ``torch.nn.LayerNorm`` running our fused layer-norm kernels.
 
     y = act((x − mean) / sqrt(var + eps) · weight + bias) over the trailing
-    ``normalized_shape`` axes.  Constructor arguments, defaults, parameters
-    (``weight`` ones, ``bias`` zeros) and state_dict keys are ``torch.nn``'s.
+    ``normalized_shape`` axes — or, with ``channel_axis``, over the axes from
+    ``channel_axis`` on: ``LayerNorm(C, channel_axis=1)`` normalises the channels of
+    ``(N, C, *spatial)`` data in place, without the permutes (timm's
+    ``LayerNorm2d``, ConvNeXt's channels-first LayerNorm).  Constructor arguments,
+    defaults, parameters (``weight`` ones, ``bias`` zeros) and state_dict keys are
+    ``torch.nn``'s.
 
     Args:
         normalized_shape, eps, elementwise_affine, bias, device, dtype: as in
             ``torch.nn.LayerNorm``.
         activation: keyword-only; an activation fused into the kernel
             (see :mod:`portable_nn.api.activations`), ``"identity"`` by default.
+        channel_axis: keyword-only; ``None`` (the trailing axes, PyTorch's) or the
+            first normalised axis (``1``: the channels of channels-first data).
     """
+
+    _default_channel_axis = None
 
     def __init__(
         self,
@@ -69,40 +107,41 @@ class LayerNorm(_FusedRepr, nn.LayerNorm):
         dtype: Any = None,
         *,
         activation: ActivationLike = "identity",
+        channel_axis: int | None = None,
     ) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
         self.activation = parse_activation(activation)
+        self.channel_axis = _check_norm_axis(channel_axis)
 
     def forward(self, input: Tensor) -> Tensor:
-        """Normalise ``input`` (``(*, *normalized_shape)``) over its trailing axes."""
-        k = len(self.normalized_shape)
-        if tuple(input.shape[input.ndim - k:]) != tuple(self.normalized_shape):
-            raise ValueError(
-                f"LayerNorm: expected input with shape (*, {', '.join(map(str, self.normalized_shape))}), "
-                f"got {tuple(input.shape)}"
-            )
-        return layer_norm(input, self.weight, self.bias, axis=tuple(range(-k, 0)), eps=self.eps,
+        """Normalise ``input`` over its ``normalized_shape`` axes (trailing, or from ``channel_axis``)."""
+        return layer_norm(input, self.weight, self.bias, axis=_normalised_axes(self, input), eps=self.eps,
                           activation=self.activation)
 
 
-class RMSNorm(nn.RMSNorm):
+class RMSNorm(_FusedRepr, nn.RMSNorm):
     """Drop-in ``torch.nn.RMSNorm`` running our fused RMS-norm kernels.
 
     y = x / sqrt(mean(x²) + eps) · weight over the trailing ``normalized_shape``
-    axes; ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in PyTorch.
-    Constructor arguments, parameters and state_dict keys are ``torch.nn``'s.
+    axes (or, with ``channel_axis``, those from ``channel_axis`` on, as in
+    :class:`LayerNorm`); ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in
+    PyTorch.  Constructor arguments, parameters and state_dict keys are ``torch.nn``'s;
+    ``channel_axis`` is keyword-only.
     """
 
+    _default_channel_axis = None
+
+    def __init__(self, normalized_shape: int | Sequence[int], eps: float | None = None,
+                 elementwise_affine: bool = True, device: Any = None, dtype: Any = None, *,
+                 channel_axis: int | None = None) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+        self.channel_axis = _check_norm_axis(channel_axis)
+
     def forward(self, input: Tensor) -> Tensor:
-        """Normalise ``input`` (``(*, *normalized_shape)``) over its trailing axes."""
-        k = len(self.normalized_shape)
-        if tuple(input.shape[input.ndim - k:]) != tuple(self.normalized_shape):
-            raise ValueError(
-                f"RMSNorm: expected input with shape (*, {', '.join(map(str, self.normalized_shape))}), "
-                f"got {tuple(input.shape)}"
-            )
+        """Normalise ``input`` over its ``normalized_shape`` axes (trailing, or from ``channel_axis``)."""
+        axes = _normalised_axes(self, input)
         eps = torch.finfo(input.dtype).eps if self.eps is None else self.eps
-        return rms_norm(input, self.weight, axis=tuple(range(-k, 0)), eps=eps)
+        return rms_norm(input, self.weight, axis=axes, eps=eps)
 
 
 class GroupNorm(_FusedRepr, nn.GroupNorm):
