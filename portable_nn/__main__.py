@@ -101,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--no-mixed", action="store_true", help="leave the mixed section out of a full user run")
     bench.add_argument("--no-cold", action="store_true",
                        help="skip the cold-compile measurement (tens of seconds per op, empty cache)")
+    bench.add_argument("--models", nargs="?", const="all", metavar="NAMES",
+                       help="instead: real models' training steps (torchvision, timm, transformers, an LSTM LM) "
+                       "with our layers swapped in, against the unmodified models; NAMES: comma-separated "
+                       "substrings of the models' names (default: all)")
     bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     bench.add_argument("--plot", metavar="PATH", help="also draw the ratios to PyTorch (needs matplotlib)")
     check = sub.add_parser("gpu-check", help="on a CUDA machine: GPU tests, benchmark vs PyTorch CUDA, a report")
@@ -117,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "compile":
         return _compile(args)
     if args.command == "bench":
+        if args.models is not None:
+            from .bench.real_models import main as models_main
+
+            return models_main(args)
         from .bench import main as bench_main
 
         return bench_main(args)

@@ -453,13 +453,14 @@ def check_int(value: Any, name: str, *, minimum: int | None = None) -> int:
 
 
 def per_axis(value: Any, d: int, name: str, minimum: int) -> tuple[int, ...]:
-    """An int or a length-``d`` tuple/list of ints as a tuple of ``d`` ints >= ``minimum``."""
+    """An int, a length-``d`` tuple/list of ints, or a one-element one (for every axis, as PyTorch
+    reads it) as a tuple of ``d`` ints >= ``minimum``."""
     if isinstance(value, (tuple, list)):
-        if len(value) != d:
+        if len(value) not in (1, d):
             raise ValueError(
                 f"{name} must be an int or a tuple of {d} ints (one per spatial axis), got {tuple(value)!r}"
             )
-        items = tuple(value)
+        items = tuple(value) * (d if len(value) == 1 else 1)
     else:
         items = (value,) * d
     return tuple(check_int(v, name, minimum=minimum) for v in items)

@@ -82,7 +82,7 @@ def _pool_plan(
     batched, layout, _, spatial_axes = spatial_layout(x, d, channel_axis, f"{d}-D pooling")
 
     win = per_axis(window, d, "window", 1)
-    strides = win if stride is None else per_axis(stride, d, "stride", 1)
+    strides = _strides(stride, win, d)
     pads = per_axis(padding, d, "padding", 0)
     dil = per_axis(dilation, d, "dilation", 1)
     ceil_mode = check_bool(ceil_mode, "ceil_mode")
@@ -125,6 +125,13 @@ def _pool_plan(
         "pad_hi": tuple(pad_hi),
     }
     return family, device, dtype, params, layout
+
+
+def _strides(stride: Any, window: tuple[int, ...], d: int) -> tuple[int, ...]:
+    """The per-axis strides: the window's for ``None`` or an empty tuple (PyTorch's "omitted")."""
+    if stride is None or (isinstance(stride, (tuple, list)) and len(stride) == 0):
+        return window
+    return per_axis(stride, d, "stride", 1)
 
 
 def _check_divisor_override(value: Any) -> int | None:
@@ -188,7 +195,8 @@ def max_pool(
             or either without ``N`` (unbatched; then ``window`` must be a tuple).
         window: int (every spatial axis; the number of spatial axes is then
             ``x.ndim - 2``) or a tuple of 1 to 3 ints (one per spatial axis).
-        stride: int or per-axis tuple, >= 1; ``None`` means ``window``.
+        stride: int or per-axis tuple, >= 1; ``None`` (or ``()``, as PyTorch
+            reads it) means ``window``.
         padding: int or per-axis tuple, 0 <= padding <= window // 2 (implicit −∞).
         dilation: int or per-axis tuple, >= 1: spacing of the window positions.
         ceil_mode: round the output size up (the last window must still start
@@ -270,7 +278,8 @@ def avg_pool(
             or either without ``N`` (unbatched; then ``window`` must be a tuple).
         window: int (the number of spatial axes is then ``x.ndim - 2``) or a
             tuple of 1 to 3 ints.
-        stride: int or per-axis tuple, >= 1; ``None`` means ``window``.
+        stride: int or per-axis tuple, >= 1; ``None`` (or ``()``, as PyTorch
+            reads it) means ``window``.
         padding: int or per-axis tuple, 0 <= padding <= window // 2.
         ceil_mode: round the output size up, as PyTorch does.
         count_include_pad: whether padded positions count in the divisor.
@@ -399,7 +408,8 @@ def max_unpool(
         indices: an integer array of ``x``'s shape, each in ``[0, Π output_size)``.
         window: the pooling window that produced ``x``: an int (the number of
             spatial axes is then ``x.ndim - 2``) or a tuple of 1 to 3 ints.
-        stride: int or per-axis tuple, >= 1; ``None`` means ``window``.
+        stride: int or per-axis tuple, >= 1; ``None`` (or ``()``, as PyTorch
+            reads it) means ``window``.
         padding: int or per-axis tuple, >= 0.
         output_size: the output's spatial sizes (int, one per spatial axis, or
             ``x``'s full rank as PyTorch accepts); each must lie strictly within
@@ -449,7 +459,7 @@ def max_unpool(
     batched, layout, _, spatial_axes = spatial_layout(x, d, channel_axis, f"{d}-D unpooling")
     check_shape(indices, "indices", tuple(int(s) for s in x.shape), "x's shape")
     win = per_axis(window, d, "window", 1)
-    strides = win if stride is None else per_axis(stride, d, "stride", 1)
+    strides = _strides(stride, win, d)
     pads = per_axis(padding, d, "padding", 0)
     out_size = _unpool_size(x, spatial_axes, win, strides, pads, output_size)
     params = {

@@ -272,8 +272,13 @@ MODEL_STEPS = [
 
 
 def find_step(name: str) -> ModelStep:
-    """The model step called ``name``."""
-    return next(s for s in MODEL_STEPS if s.name == name)
+    """The model step called ``name`` (a small model's, or a real model's: :mod:`.real_models`)."""
+    found = next((s for s in MODEL_STEPS if s.name == name), None)
+    if found is not None:
+        return found
+    from .real_models import REAL_MODEL_STEPS
+
+    return REAL_MODEL_STEPS[name]
 
 
 def select_steps(selectors: Sequence[str] | None) -> list[ModelStep]:

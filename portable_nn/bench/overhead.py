@@ -271,12 +271,16 @@ def chosen_steps(models: str | None, quick: bool) -> tuple[list[ModelStep], list
                                               f"select it with --models {s.name.split()[0]})" for s in steps if s.slow]
 
 
-def print_model_table(args: argparse.Namespace, isas: Sequence[str], repeats: int) -> None:
-    """The small-model section: each step's contenders in their own processes, alternated, then in-process."""
-    steps, skipped = chosen_steps(args.models, args.quick)
+def print_model_table(args: argparse.Namespace, isas: Sequence[str], repeats: int,
+                      steps: Sequence[ModelStep] | None = None, title: str = "small-model steps") -> None:
+    """The small-model section (or ``steps``, under ``title``): each step's contenders in their own
+    processes, alternated, then in-process."""
+    skipped: list[str] = []
+    if steps is None:
+        steps, skipped = chosen_steps(args.models, args.quick)
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
     removed = [k for k in os.environ if k not in user_environment()]
-    print(f"\nsmall-model steps: {machine_line()}; milliseconds per step (forward + backward), "
+    print(f"\n{title}: {machine_line()}; milliseconds per step (forward + backward), "
           "ratio = PyTorch / portable_nn")
     print(f"own processes: one contender per fresh process, {rounds} round(s) alternated, median; the user's "
           f"environment (removed: {', '.join(removed) or 'nothing'}); {THREADS} threads; {_isa_note(isas)}")

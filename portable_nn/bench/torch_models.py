@@ -99,23 +99,29 @@ def _twins() -> dict[type, Callable[[Any], nn.Module]]:
 
 
 def _twin(module: nn.Module, twins: dict[type, Callable[[Any], nn.Module]]) -> nn.Module | None:
-    """Our twin of ``module`` with its weights, buffers, device, dtype and mode; ``None`` if we have none."""
+    """Our twin of ``module`` holding its parameters and buffers, in its mode; ``None`` if we have none."""
     build = twins.get(type(module))  # the exact class: our subclasses are left as they are
     if build is None:
         return None
     ours = build(module)
-    first = next(module.parameters(), None)
-    if first is not None:
-        ours = ours.to(device=first.device, dtype=first.dtype)
-    ours.load_state_dict(module.state_dict())
+    # The module's own parameters and buffers, not copies: weights tied to another module (a language
+    # model's decoder and its embedding) stay tied, and an optimiser built before the swap still
+    # updates what the model uses.
+    for name, param in module.named_parameters(recurse=False):
+        setattr(ours, name, param)
+    for name, buffer in module.named_buffers(recurse=False):
+        setattr(ours, name, buffer)
+    for name, child in module.named_children():  # (an LSTM's are none; a container's would be swapped too)
+        setattr(ours, name, child)
     return ours.train(module.training)
 
 
 def swap_modules(model: nn.Module) -> nn.Module:
     """Replace, in place, every Conv2d, BatchNorm2d, Linear, LayerNorm and LSTM by ``portable_nn.torch``'s.
 
-    Returns the model (or its twin, when ``model`` itself is such a module).  Parameters are
-    new tensors with the old values: build optimisers after swapping.
+    Returns the model (or its twin, when ``model`` itself is such a module).  The twins hold the
+    original parameters and buffers (the same tensors: tied weights stay tied, optimisers built
+    before the swap keep working).
     """
     twins = _twins()
     top = _twin(model, twins)

@@ -86,9 +86,9 @@ def _max_pool(d: int) -> Callable:
     def run(x, args, kw):
         stride = _arg(args, kw, 1, "stride", None)
         return pt.max_pool(x, _per_axis(_arg(args, kw, 0, "kernel_size", None), d),
-                           stride=_per_axis(stride, d) if stride else None,
-                           padding=_per_axis(_arg(args, kw, 2, "padding", 0), d),
-                           dilation=_per_axis(_arg(args, kw, 3, "dilation", 1), d),
+                           stride=stride,  # (torch's as they are: () and one-element tuples included)
+                           padding=_arg(args, kw, 2, "padding", 0),
+                           dilation=_arg(args, kw, 3, "dilation", 1),
                            ceil_mode=bool(_arg(args, kw, 4, "ceil_mode", False)),
                            return_indices=bool(_arg(args, kw, 5, "return_indices", False)))
 
@@ -127,8 +127,8 @@ def _avg_pool(d: int) -> Callable:
     def run(x, args, kw):
         stride = _arg(args, kw, 1, "stride", None)
         return pt.avg_pool(x, _per_axis(_arg(args, kw, 0, "kernel_size", None), d),
-                           stride=_per_axis(stride, d) if stride else None,  # () means the kernel, as in torch
-                           padding=_per_axis(_arg(args, kw, 2, "padding", 0), d),
+                           stride=stride,  # (torch's as they are: () and one-element tuples included)
+                           padding=_arg(args, kw, 2, "padding", 0),
                            ceil_mode=bool(_arg(args, kw, 3, "ceil_mode", False)),
                            count_include_pad=bool(_arg(args, kw, 4, "count_include_pad", True)),
                            divisor_override=_arg(args, kw, 5, "divisor_override", None))

@@ -216,3 +216,30 @@ def test_swap_modules_puts_ours_in_with_the_same_weights():
     assert isinstance(ours.lstm, pnt.LSTM) and isinstance(ours.decoder, pnt.Linear)
     tokens = torch.randint(0, 50, (5, 3))
     torch.testing.assert_close(ours(tokens), model(tokens), rtol=1e-4, atol=1e-5)
+
+
+#: A ``python -c`` program: PyTorch made unimportable (as on a machine without it), then the command line.
+_WITHOUT_TORCH = """
+import importlib.abc, importlib.util, runpy, sys
+class _NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(f"No module named {name!r}")
+sys.meta_path.insert(0, _NoTorch())
+_find = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a, **k: None if name.split(".")[0] == "torch" else _find(name, *a, **k)
+sys.argv = ["portable_nn", *sys.argv[1:]]
+runpy.run_module("portable_nn", run_name="__main__")
+"""
+
+
+def test_quick_run_without_pytorch_measures_portable_nn_alone():
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, "bench", "--quick", "--ops", "layer_norm"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert "PyTorch is not installed" in done.stderr
+    assert "layer_norm (256,1024)" in done.stdout
+    models = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, "bench", "--models"], capture_output=True,
+                            text=True, timeout=120)
+    assert models.returncode == 2 and "PyTorch is not installed" in models.stdout
