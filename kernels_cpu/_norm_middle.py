@@ -24,7 +24,8 @@ Statistics are shifted sums in float64 (each column's shift its first element: v
 
 one pass for A, B and the task's partial dweight/dbias, one writing dx; the partials are added
 in task order afterwards, so results do not depend on the thread count.  float32 and float64
-data (the half types take the trailing-axes layout or the reference).
+data (the half types take the trailing-axes layout or the reference).  The entry points, which
+allocate and launch these kernels, are ``kernels_cpu.norm``'s (beside the other layouts').
 """
 
 from __future__ import annotations
@@ -33,10 +34,8 @@ import numpy as np
 from numba import njit, prange
 
 from portable_nn.kernel_codes import IDENTITY
-from portable_nn.kernel_plans import middle_view
 
-from . import _runtime
-from .activations import act, act_grad, is_rectifier, rectifier_slope
+from .activations import act_grad, act_row, is_rectifier, rectifier_slope
 
 _OPTS = {"cache": True, "error_model": "numpy", "nogil": True}
 
@@ -46,9 +45,6 @@ _OPTS = {"cache": True, "error_model": "numpy", "nogil": True}
 #: / 15-18, 128 → 18-29 / 19-22.
 COLUMNS = 512
 
-#: Below this many elements a call runs serially (the thread pool's cost; the norms' threshold).
-PARALLEL_MIN_ELEMENTS = 1 << 15
-
 
 def column_blocks(inner: int) -> tuple[int, int]:
     """(blocks per outer index, block width) for ``inner`` columns: equal blocks of at most COLUMNS."""
@@ -57,27 +53,16 @@ def column_blocks(inner: int) -> tuple[int, int]:
 
 
 @njit(inline="always", **_OPTS)
-def _activate_span(yr, j0, j1, code, slope):
-    """act(y) in place on yr[j0:j1]: a select loop for the rectifiers, the scalar function otherwise."""
-    if code == IDENTITY:
-        return
-    if is_rectifier(code):
-        neg = yr.dtype.type(rectifier_slope(code, slope))
-        zero = yr.dtype.type(0.0)
-        for j in range(j0, j1):
-            v = yr[j]
-            yr[j] = v if v > zero else neg * v + zero  # + 0: relu gives +0.0, as PyTorch does
-        return
-    for j in range(j0, j1):
-        yr[j] = act(np.float64(yr[j]), code, slope)
+def _block(t, blocks, width, inner):
+    """Task ``t``'s outer index and columns ``[j0, j1)``: ``blocks`` column blocks of ``width`` per outer index."""
+    o, k = t // blocks, t % blocks
+    j0 = k * width
+    return o, j0, min(inner, j0 + width)
 
 
 @njit(inline="always", **_OPTS)
 def _forward_task(t, x3, w, b, y3, mean, rstd, blocks, width, center, eps, code, slope):
-    o, k = t // blocks, t % blocks
-    inner = x3.shape[2]
-    j0 = k * width
-    j1 = min(inner, j0 + width)
+    o, j0, j1 = _block(t, blocks, width, x3.shape[2])
     n = j1 - j0
     rows = x3.shape[1]
     xo, yo = x3[o], y3[o]
@@ -133,7 +118,8 @@ def _forward_task(t, x3, w, b, y3, mean, rstd, blocks, width, center, eps, code,
         wr, br = w[r], b[r]
         for j in range(n):
             yr[j0 + j] = ((xr[j0 + j] - mh[j]) - ml[j]) * rs[j] * wr + br
-        _activate_span(yr, j0, j1, code, slope)
+        if code != IDENTITY:
+            act_row(yr[j0:j1], code, slope)  # (the trailing-axes kernels' vector loops)
 
 
 @njit(parallel=True, **_OPTS)
@@ -163,10 +149,7 @@ def _g_at(x, dy, m, r, w, b, kind, code, slope):
 
 @njit(inline="always", **_OPTS)
 def _backward_task(t, x3, dy3, dx3, w, b, mean, rstd, pdw, pdb, blocks, width, center, need_x, kind, code, slope):
-    o, k = t // blocks, t % blocks
-    inner = x3.shape[2]
-    j0 = k * width
-    j1 = min(inner, j0 + width)
+    o, j0, j1 = _block(t, blocks, width, x3.shape[2])
     n = j1 - j0
     rows = x3.shape[1]
     xo, dyo = x3[o], dy3[o]
@@ -268,65 +251,3 @@ def _backward_parallel(x3, dy3, dx3, w, b, mean, rstd, pdw, pdb, blocks, width, 
 def _backward_serial(x3, dy3, dx3, w, b, mean, rstd, pdw, pdb, blocks, width, center, need_x, code, slope):
     _backward_range(0, x3.shape[0] * blocks, x3, dy3, dx3, w, b, mean, rstd, pdw, pdb, blocks, width, center,
                     need_x, code, slope)
-
-
-def view(call):
-    """``(O, R, I)``: the outer, normalised and inner sizes of a middle-axes call."""
-    return middle_view(tuple(map(int, call.x.shape)), call.axes)
-
-
-def _params(call, rows, dtype):
-    w = np.ones(rows, dtype) if call.weight is None else np.ascontiguousarray(call.weight, dtype).reshape(-1)
-    b = np.zeros(rows, dtype) if call.bias is None else np.ascontiguousarray(call.bias, dtype).reshape(-1)
-    return w, b
-
-
-def _run(parallel_kernel, serial_kernel, size, *args):
-    _runtime.run_sized(parallel_kernel, serial_kernel, size >= PARALLEL_MIN_ELEMENTS, *args)
-
-
-def forward(call):
-    """``(y, None, None)`` and the residuals ``(x, mean, rstd, call)`` of a middle-axes layer or RMS norm."""
-    x = call.x
-    o, rows, inner = view(call)
-    x3 = x.reshape(o, rows, inner)
-    y = _runtime.empty(x.shape, x.dtype)
-    mean = np.empty((o, inner))
-    rstd = np.empty((o, inner))
-    w, b = _params(call, rows, x.dtype)
-    blocks, width = column_blocks(inner)
-    code, slope = call.activation.code, call.activation.slope
-    if x.size:
-        _run(_forward_parallel, _forward_serial, x.size, x3, w, b, y.reshape(o, rows, inner), mean, rstd,
-             blocks, width, bool(call.center), float(call.eps), code, slope)
-    return (y, None, None), (x, mean, rstd, call)
-
-
-def backward(residuals, cotangents, needs, out=None):
-    """dx, dweight, dbias of a middle-axes layer or RMS norm, as ``needs`` asks."""
-    x, mean, rstd, call = residuals
-    out = out or {}
-    o, rows, inner = view(call)
-    dy = np.ascontiguousarray(cotangents[0], dtype=x.dtype)
-    w, b = _params(call, rows, x.dtype)
-    blocks, width = column_blocks(inner)
-    need_x = "x" in needs
-    dx = out.get("x") if need_x else None
-    if need_x and (dx is None or not dx.flags.c_contiguous):
-        dx = _runtime.empty_like(x)
-    dx3 = dx.reshape(o, rows, inner) if need_x else np.empty((1, 1, 1), x.dtype)
-    tasks = o * blocks
-    pdw = np.zeros((tasks, rows))
-    pdb = np.zeros((tasks, rows))
-    if x.size:
-        _run(_backward_parallel, _backward_serial, x.size, x.reshape(o, rows, inner), dy.reshape(o, rows, inner),
-             dx3, w, b, mean, rstd, pdw, pdb, blocks, width, bool(call.center), need_x,
-             call.activation.code, call.activation.slope)
-    grads = {}
-    if need_x:
-        grads["x"] = _runtime.into(out, "x", dx)
-    for name, partial in (("weight", pdw), ("bias", pdb)):
-        if name in needs:
-            total = partial.sum(axis=0).astype(x.dtype).reshape(getattr(call, name).shape)
-            grads[name] = _runtime.into(out, name, total)
-    return grads

@@ -47,7 +47,15 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from portable_nn.kernel_codes import IDENTITY
-from portable_nn.kernel_plans import MIDDLE_AXES, MomentsPlan, canonical, moments_plan, moments_shape, row_splits
+from portable_nn.kernel_plans import (
+    MIDDLE_AXES,
+    MomentsPlan,
+    canonical,
+    middle_view,
+    moments_plan,
+    moments_shape,
+    row_splits,
+)
 
 from . import _half, _norm_middle, _runtime
 from ._half import at as _at
@@ -1257,10 +1265,55 @@ class NormPlan:
         return (y if h is None else _half.typed(y, given), new_rm, new_rv), residuals
 
 
+def _middle_forward(call):
+    """Forward of a layer or RMS norm over middle axes (:mod:`._norm_middle`): ``(y, None, None)``
+    and the residuals ``(x, mean, rstd, call)``."""
+    x = call.x
+    o, rows, inner = middle_view(tuple(map(int, x.shape)), call.axes)
+    y = _runtime.empty(x.shape, x.dtype)
+    mean = np.empty((o, inner))
+    rstd = np.empty((o, inner))
+    blocks, width = _norm_middle.column_blocks(inner)
+    if x.size:
+        _run(_norm_middle._forward_parallel, _norm_middle._forward_serial, x.size, x.reshape(o, rows, inner),
+             _flat_param(call.weight, 1.0, rows, x.dtype), _flat_param(call.bias, 0.0, rows, x.dtype),
+             y.reshape(o, rows, inner), mean, rstd, blocks, width, bool(call.center), float(call.eps),
+             call.activation.code, call.activation.slope)
+    return (y, None, None), (x, mean, rstd, call)
+
+
+def _middle_backward(residuals, cotangents, needs, out=None):
+    """dx, dweight, dbias of a layer or RMS norm over middle axes, as ``needs`` asks."""
+    x, mean, rstd, call = residuals
+    out = out or {}
+    o, rows, inner = middle_view(tuple(map(int, x.shape)), call.axes)
+    dy = np.ascontiguousarray(cotangents[0], dtype=x.dtype)
+    blocks, width = _norm_middle.column_blocks(inner)
+    need_x = "x" in needs
+    dx = out.get("x") if need_x else None
+    if need_x and (dx is None or not dx.flags.c_contiguous):
+        dx = _runtime.empty_like(x)
+    dx3 = dx.reshape(o, rows, inner) if need_x else np.empty((1, 1, 1), x.dtype)
+    pdw = np.zeros((o * blocks, rows))
+    pdb = np.zeros((o * blocks, rows))
+    if x.size:
+        _run(_norm_middle._backward_parallel, _norm_middle._backward_serial, x.size, x.reshape(o, rows, inner),
+             dy.reshape(o, rows, inner), dx3, _flat_param(call.weight, 1.0, rows, x.dtype),
+             _flat_param(call.bias, 0.0, rows, x.dtype), mean, rstd, pdw, pdb, blocks, width, bool(call.center),
+             need_x, call.activation.code, call.activation.slope)
+    grads = {}
+    if need_x:
+        grads["x"] = _into(out, "x", dx)
+    for name, partial in (("weight", pdw), ("bias", pdb)):
+        if name in needs:
+            grads[name] = _into(out, name, partial.sum(axis=0).astype(x.dtype).reshape(getattr(call, name).shape))
+    return grads
+
+
 def norm_plan(call):
     """The forward of ``call``'s signature, bound once (dispatch's plan cache keeps it)."""
     if call.layout == MIDDLE_AXES:
-        return _norm_middle.forward
+        return _middle_forward
     return NormPlan(call).forward
 
 
@@ -1272,7 +1325,7 @@ def norm_forward(call):
     and arithmetic and float64 statistics; ``y`` has the data's dtype.
     """
     if call.layout == MIDDLE_AXES:  # a layer or RMS norm over axes followed by kept ones
-        return _norm_middle.forward(call)
+        return _middle_forward(call)
     return NormPlan(call).forward(call)
 
 
@@ -1311,7 +1364,7 @@ def norm_backward(residuals, cotangents, needs, out=None):
     """dx, dweight, dbias in one kernel (see the module docstring); dx in x's dtype, dweight and
     dbias in the parameters' (float32 or the half type for half-precision data)."""
     if residuals[3].layout == MIDDLE_AXES:
-        return _norm_middle.backward(residuals, cotangents, needs, out)
+        return _middle_backward(residuals, cotangents, needs, out)
     x, mean, rstd, call, plan = residuals
     h = plan.h
     out = out or {}
