@@ -538,6 +538,11 @@ def _run(parallel_kernel, serial_kernel, size, *args):
     _runtime.run_sized(parallel_kernel, serial_kernel, size >= PARALLEL_MIN_ELEMENTS, *args)
 
 
+#: ``a.sum()`` without ndarray.sum's Python wrapper (the same pairwise sum, the same bits): the
+#: cross_entropy forward's three sums cost ~6 µs of a ~40 µs (4, 64) call on a Zen 3 through it.
+_sum = np.add.reduce
+
+
 def _flat(a, dtype):
     return np.ascontiguousarray(a, dtype=dtype).reshape(-1)
 
@@ -613,19 +618,20 @@ def cross_entropy_forward(call):
         else:
             per, scratch = 1, np.empty((_tasks(M, Q), 1), z.dtype)
         _run(_ce_forward_parallel, _ce_forward_serial, z.size,
-             zf, lab, tp, w, mx, ls, C, Q, per, scratch, *flags, float(w.sum()), loss, wy, tot)
+             zf, lab, tp, w, mx, ls, C, Q, per, scratch, *flags, float(C) if call.weight is None else float(_sum(w)),
+             loss, wy, tot)
     denominator = None
     if call.reduction == "none":
         result = loss.astype(z.dtype).reshape(shape[:axis] + shape[axis + 1 :])
     elif call.reduction == "sum":
-        result = np.asarray(loss.sum(), z.dtype)
+        result = np.asarray(_sum(loss), z.dtype)
     elif prob:
-        result = np.asarray(loss.sum() / n if n else math.nan, z.dtype)
+        result = np.asarray(_sum(loss) / n if n else math.nan, z.dtype)
         denominator = float(max(n, 1))
     else:
-        total = float(wy.sum())
+        total = float(_sum(wy))
         denominator = total if total != 0.0 else 1.0
-        result = np.asarray(loss.sum() / total if total != 0.0 else math.nan, z.dtype)
+        result = np.asarray(_sum(loss) / total if total != 0.0 else math.nan, z.dtype)
     residuals = None
     if call.save:
         state = _CEState()

@@ -93,6 +93,9 @@ SUM_BLOCK = 256
 PIPELINE_MIN_BYTES = 32 << 20
 # Below this many elements the thread pool costs more than it saves (measured: it pays only above ~50 us of work).
 PARALLEL_MIN_ELEMENTS = 1 << 15
+# Below this many elements the backward of at most 64 rows sums them in one partial (a fixed
+# size, not the parallel threshold that tests move: the partition, hence the bits, is the shape's).
+ONE_PARTIAL_BELOW = 1 << 15
 
 
 # --------------------------------------------------------------------------- forward
@@ -1388,6 +1391,10 @@ def norm_backward(residuals, cotangents, needs, out=None):
                                    _per_column_params(b, s), mean, rstd, train, center, need_x, code, slope, s, h)
     else:
         chunk = max(1, -(-nn // 64))
+        if nn <= 64 and x.size < ONE_PARTIAL_BELOW:
+            # One partial: a small call's two NumPy reductions of the partials cost more than its
+            # kernel (~6 µs of a LayerNorm(64) step at (4, 64) on a Zen 3); <= 64 rows in a sum, as above.
+            chunk = max(nn, 1)
         k = -(-nn // chunk) if nn else 1
         # Rows of per-element parameters (s == 1) accumulate a chunk's <= chunk rows in the data's
         # dtype (see _row_sums); per-segment sums are float64 already and stay float64.

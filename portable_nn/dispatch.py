@@ -962,7 +962,8 @@ class Executed:
     """A forward that ran: its outputs and what a backward needs (with the call's input maps
     and namespace, to take the mapped arguments' gradients back)."""
 
-    __slots__ = ("_inward", "_outward", "bridge", "family", "impl", "input_maps", "outputs", "residuals", "xp")
+    __slots__ = ("__weakref__", "_inward", "_outward", "bridge", "family", "impl", "input_maps", "outputs", "residuals",
+                 "xp")
 
     def __init__(self, outputs: tuple[Any, ...], residuals: Any, impl: Implementation, bridge: Bridge, family: str,
                  input_maps: Mapping[str, InputMap] | None = None, xp: Any = None,

@@ -109,7 +109,7 @@ def _labels_in_range(target: Any, classes: int) -> bool:
     a lazy one would evaluate the target once per reduction)."""
     family = _arrays.family(target)
     if family == "numpy":
-        return bool(target.size) and 0 <= target.min() and target.max() < classes
+        return bool(target.size) and 0 <= np.minimum.reduce(target, None) and np.maximum.reduce(target, None) < classes
     if family == "torch" and target.numel():
         import torch
 

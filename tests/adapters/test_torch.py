@@ -9,6 +9,7 @@ small model to the same parameters within a relative 1e-8).
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 
@@ -231,36 +232,54 @@ def test_needs_input_grad_skips_unwanted_gradients(lost, monkeypatch):
 
 
 def test_eager_path_releases_its_pullback_with_the_saved_tensors():
-    """In eager mode an op is a plain autograd.Function whose pullback autograd frees as it frees
-    saved tensors: right after the node's backward (the graph may live on), kept under
-    retain_graph=True, and with the graph when no backward runs."""
+    """In eager mode an op is a plain autograd.Function that keeps its executed forward on the node
+    and drops it as autograd frees saved tensors: right after the node's backward (the graph may
+    live on), kept under retain_graph=True, and with the graph when no backward runs; it never
+    enters the custom ops' table."""
     gc.collect()
     base = pnt.saved_pullbacks()
     x, w, b = _t(3, 4), _t(4), _t(4)
     y = pnt.layer_norm(x, w, b)
     assert adapter_ops.is_eager_node(y.grad_fn)
-    assert pnt.saved_pullbacks() == base + 1
+    assert y.grad_fn.pnn_kept is not None and pnt.saved_pullbacks() == base
+    kept = weakref.ref(y.grad_fn.pnn_kept)
     y.sum().backward()
-    assert pnt.saved_pullbacks() == base  # y and its graph are still alive
+    assert y.grad_fn.pnn_kept is None and kept() is None  # y and its graph are still alive
     first = x.grad.clone()
     x.grad = None
     y = pnt.layer_norm(x, w, b)
     y.sum().backward(retain_graph=True)
-    assert pnt.saved_pullbacks() == base + 1
+    assert y.grad_fn.pnn_kept is not None
     assert torch.equal(x.grad, first)
     y.sum().backward()
     assert torch.equal(x.grad, 2 * first)
-    assert pnt.saved_pullbacks() == base
+    assert y.grad_fn.pnn_kept is None
     with pytest.raises(RuntimeError, match="second time"):
         y.sum().backward()
     y = pnt.layer_norm(x, w, b)
-    assert pnt.saved_pullbacks() == base + 1
+    kept = weakref.ref(y.grad_fn.pnn_kept)
     del y
     gc.collect()
-    assert pnt.saved_pullbacks() == base
+    assert kept() is None
     with torch.no_grad():
-        pnt.layer_norm(x, w, b)
+        assert pnt.layer_norm(x, w, b).grad_fn is None
     assert pnt.saved_pullbacks() == base
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "custom_op"])
+@pytest.mark.parametrize("make", [lambda: pnt.LayerNorm(4), lambda: pnt.RMSNorm(4), lambda: pnt.BatchNorm1d(3),
+                                  lambda: pnt.Linear(4, 2)], ids=["LayerNorm", "RMSNorm", "BatchNorm1d", "Linear"])
+def test_an_input_modified_in_place_after_the_forward_is_refused(make, eager, monkeypatch):
+    """As for torch's own ops: a backward through a tensor changed in place since the forward would
+    read the new values (our residuals are views of it), so autograd's version check refuses it."""
+    monkeypatch.setattr(adapter_ops, "EAGER_PATH", eager)
+    module = make().double()
+    x = _t(5, 3, 4) if isinstance(module, torch.nn.BatchNorm1d) else _t(3, 4)
+    h = x * 1.0
+    y = module(h)
+    h.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
 
 
 def test_eager_calls_on_pytorch_s_own_kernels_are_recorded_by_autograd():

@@ -183,6 +183,8 @@ GRADIENT_ORACLE: dict[str, Callable] = {f"nn.functional.max_unpool{d}d": _unpool
 STRICTER = {
     "eps": "eps must be a positive finite number",
     "momentum": "momentum must be in [0, 1]",
+    # PyTorch refuses a 1-D x too ("Dimension out of range" for (3,)) except an empty one, shape (0,),
+    # which it normalises over a channel axis the tensor does not have: no such axis, no such call.
     "1-D input": "x must have at least 2 dimensions",
 }
 #: Per op, the reasons its refused samples give (each must occur; every other sample must run).

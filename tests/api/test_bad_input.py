@@ -5,7 +5,8 @@ replaced by a value that is wrong for its kind (its annotation: a string for an 
 another dtype, shape or library, a NaN, an out-of-range int, …).  The outcome must be one of:
 
 * a ``TypeError``/``ValueError`` whose message names the argument, raised before any work;
-* a result equal to the reference backend's for the same call (the value was acceptable after all);
+* a result equal to the reference backend's for the same call (the value was acceptable after all:
+  ±inf entries, a zero-size axis), NaN at the same places;
 * with a forced kernel backend, ``BackendUnavailableError`` (the kernel declines the call).
 
 Never another exception, and never a mutated input (running statistics are updated only by a call
@@ -31,8 +32,9 @@ torch = pytest.importorskip("torch")
 
 #: Wrong values per argument kind (``"$"`` marks a value built from the valid one, see ``_bad``).
 _BAD = {
-    "Array": ["a string", None, "$int", "$wrong-rank", "$torch", "$nan", "$masked"],
-    "Array | None": ["a string", "$int", "$wrong-size", "$torch", "$masked"],
+    "Array": ["a string", None, "$int", "$wrong-rank", "$torch", "$nan", "$masked", "$inf", "$empty-first",
+              "$empty-last"],
+    "Array | None": ["a string", "$int", "$wrong-size", "$torch", "$masked", "$inf", "$empty-first"],
     "int": [2.5, "2", -7, True],
     "int | None": [2.5, "2", -7],
     "float": ["0.1", float("nan"), -1.0, float("inf")],
@@ -70,11 +72,29 @@ def _bad(kind: str, token: Any, valid: Any) -> Any:
         return torch.from_numpy(np.array(valid))
     if token == "$nan":
         return np.full_like(valid, np.nan) if floating else _SKIP
+    if token == "$inf":  # +inf first, -inf last: IEEE's NaN (inf - inf, 0 * inf) must appear where the reference's does
+        if not floating or not valid.size:
+            return _SKIP
+        infinite = np.array(valid, copy=True)
+        infinite.reshape(-1)[0], infinite.reshape(-1)[-1] = np.inf, -np.inf
+        return infinite
+    if token in ("$empty-first", "$empty-last"):  # a zero-size axis: an empty result, or an error naming it
+        axis = 0 if token == "$empty-first" else -1
+        if valid.ndim < (1 if axis == 0 else 2):
+            return _SKIP
+        shape = list(valid.shape)
+        shape[axis] = 0
+        return np.empty(shape, valid.dtype)
     if token == "$dropped-weight":
         return [tuple(entry[:1]) for entry in valid]
     if token == "$masked":  # one entry masked: no op reads masks, so every op must refuse it
         return np.ma.masked_array(valid, mask=np.arange(valid.size).reshape(valid.shape) == 0)
     raise AssertionError(token)
+
+
+def _label(token: Any) -> str:
+    """A built value's name in the test id (``-inf``, ``-empty-first``); nothing for literal values."""
+    return f"-{token[1:]}" if isinstance(token, str) and token.startswith("$") else ""
 
 
 def _cases() -> list[Any]:
@@ -89,8 +109,9 @@ def _cases() -> list[Any]:
                 value = _bad(kind, token, bound.arguments[name])
                 if value is _SKIP:
                     continue
+                label = f"{op}-{name}-{k}{_label(token)}"
                 for backend in BACKENDS:
-                    params.append(pytest.param(op, name, value, backend, id=f"{op}-{name}-{k}-{backend}"))
+                    params.append(pytest.param(op, name, value, backend, id=f"{label}-{backend}"))
     return params
 
 
@@ -133,9 +154,23 @@ def _flat(value: Any) -> list[np.ndarray]:
     return [] if value is None else [np.asarray(to_numpy(value), np.float64)]
 
 
+#: Gradients the numba kernels give otherwise than the reference and PyTorch when a parameter holds
+#: ±inf (found by the "$inf" values; known, not yet fixed): (op, argument, backend) -> why.
+INFINITE_PARAMETER_GAPS = {
+    ("conv", "weight", "numba"): "dx NaN at 24 positions where the reference and PyTorch give ±inf: the direct "
+                                 "algorithm's (kernels_cpu/_conv_direct.py) input gradient multiplies an infinite "
+                                 "tap by a zero it should not visit (0 * inf)",
+    ("group_norm", "weight", "numba"): "dx +inf at a position where the reference and PyTorch give NaN "
+                                       "(inf - inf taken in another order)",
+}
+
+
 @pytest.mark.parametrize("differentiate", [False, True], ids=["forward", "vjp"])
 @pytest.mark.parametrize(("op", "name", "value", "backend"), _cases())
-def test_one_bad_argument(op, name, value, backend, differentiate):
+def test_one_bad_argument(op, name, value, backend, differentiate, request):
+    gap = INFINITE_PARAMETER_GAPS.get((op, name, backend))
+    if gap and differentiate and isinstance(value, np.ndarray) and np.isinf(value).any():
+        request.applymarker(pytest.mark.xfail(strict=True, reason=gap))
     (args, kwargs), *_ = samples("float64")[op]
     spec = spec_of(op)
     bound = spec.signature.bind(*args, **kwargs)

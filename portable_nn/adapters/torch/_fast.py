@@ -40,6 +40,7 @@ NOT_TAKEN = object()
 _PLAIN = (Tensor, nn.Parameter)
 _compiling = torch.compiler.is_compiling
 _functorch_active = torch._C._are_functorch_transforms_active
+_keep_graph = torch._C._autograd._get_current_graph_task_keep_graph
 
 
 def _wanted(op: _ops._OpDef, values: dict[str, Any], grad: bool) -> tuple[str, ...] | None:
@@ -156,8 +157,8 @@ class _Eager:
 
 class _EagerOp(torch.autograd.Function):
     """One op under autograd: the forward runs its ``vjp`` (on the plan when there is one), the
-    backward its executed forward's backward (kept in :class:`._ops._EagerFullOp`'s table, released
-    with autograd's saved tensors)."""
+    backward its executed forward's backward (kept on the node, ``ctx.pnn_kept``, and dropped when
+    autograd frees the saved tensors: after a backward without ``retain_graph``, or with the graph)."""
 
     @staticmethod
     def forward(ctx: Any, job: _Job, *tensors: Tensor) -> Any:
@@ -193,23 +194,25 @@ class _EagerOp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> Any:
+        # Autograd's own checks first: a second backward through a freed graph, an input modified in
+        # place since the forward (its version moved): PyTorch's errors, as for its own ops.
+        saved = ctx.saved_tensors
         spec, op, want, needs = ctx.pnn_job
         result: list[Any] = [None] * (1 + len(want))
         if torch.is_grad_enabled():  # create_graph=True: differentiable gradients through the reference
-            _, *tensors = ctx.saved_tensors
             values = dict(ctx.pnn_static)
-            values.update(zip((*want, *ctx.pnn_others), tensors))
+            values.update(zip((*want, *ctx.pnn_others), saved))
             bound = op.bind(encode(spec, values))
             computed = _ops._differentiable_grads(op, bound, grads[: op.n_diff],
                                                   {name: ctx.needs_input_grad[1 + k] for k, name in enumerate(want)})
             for k, name in enumerate(want):
                 result[1 + k] = computed.get(name)
             return tuple(result)
-        entry = _ops._saved.get(ctx.pnn_key)
-        if entry is None:
-            raise RuntimeError(f"portable_nn: trying to backward through {op.name} a second time: its saved state "
-                               "was freed after the first backward (pass retain_graph=True to it)")
-        kept = entry.pullback
+        kept = ctx.pnn_kept
+        if not _keep_graph():
+            # Freed with autograd's saved tensors (PyTorch's own compiled backward does the same):
+            # the residuals do not outlive this backward, though the graph may.
+            ctx.pnn_kept = None
         if type(kept) is dispatch.Executed:
             # Autograd's cotangents are the outputs' shapes and dtypes (zeros for an unused output):
             # the pullback's checks of a user's cotangent have nothing to catch here.
@@ -226,17 +229,21 @@ class _EagerOp(torch.autograd.Function):
 
 
 def _keep(ctx: Any, job: _Job, tensors: tuple[Tensor, ...], executed: Any, eager: _Eager, result: Any) -> Any:
-    """Keep on ``ctx`` what the backward needs (the executed forward, or a pullback, in the table;
-    the tensors for a ``create_graph=True`` backward) and return the forward's flat outputs."""
+    """Keep on ``ctx`` what the backward needs — the executed forward (or a pullback), and the
+    tensors, saved for autograd's version checks and a ``create_graph=True`` backward — and return
+    the forward's flat outputs.
+
+    The executed forward sits on ``ctx`` itself: a handle tensor into a table, freed with the saved
+    tensors (what the custom ops need), cost 20-30 µs of a 300 µs LayerNorm(64) step on a Zen 3.
+    """
     flat = result if isinstance(result, tuple) else (result,)
     op = job.op
     if len(flat) > op.n_diff:
         ctx.mark_non_differentiable(*flat[op.n_diff:])
-    key, handle = _ops._remember_key(executed, eager.needs)
-    ctx.pnn_key = key
+    ctx.pnn_kept = executed
     ctx.pnn_job = (job.spec, op, job.want, eager.needs)
     ctx.pnn_others = eager.others
     ctx.pnn_static = eager.static
     values = job.values
-    ctx.save_for_backward(handle, *tensors, *(values[name] for name in eager.others))
+    ctx.save_for_backward(*tensors, *(values[name] for name in eager.others))
     return flat

@@ -419,3 +419,76 @@ def test_zero_sizes(kind):
         expected, _ = _sequence(kind, p, "reference")
         actual, _ = _sequence(kind, p, "numba")
         _assert_matches(actual, expected, 1e-12)
+
+
+def _same_values(actual, expected, tol):
+    """NaN at the same places, ±inf equal, finite values within ``tol`` of the largest finite one."""
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        assert np.array_equal(np.isnan(a), np.isnan(e)), f"array {i}: NaN at other places"
+        finite = np.isfinite(e)
+        assert np.array_equal(a[~finite & ~np.isnan(e)], e[~finite & ~np.isnan(e)]), f"array {i}: infinities differ"
+        if finite.any():
+            scale = max(np.max(np.abs(e[finite])), 1e-300)
+            assert np.max(np.abs(a[finite] - e[finite])) / scale <= tol, f"array {i}"
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # (the reference's NumPy: inf − inf)
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("value", [np.inf, -np.inf], ids=["+inf", "-inf"])
+@pytest.mark.parametrize(("kind", "kw"), VARIANTS, ids=VARIANT_IDS)
+def test_infinite_inputs_give_the_reference_s_nans(kind, kw, value, dtype):
+    """An infinite input saturates the gates; 0 · inf in the weight gradients is NaN (IEEE), and the
+    kernels' vector exp/sigmoid/tanh keep that: the outputs and every gradient have the reference's
+    NaN at the same places and its other values (sequence with packed lengths, and a cell)."""
+    tol = 1e-12 if dtype == np.float64 else 1e-4
+    p = _problem(kind, dtype=dtype, bidirectional=True, lengths=[5, 2, 4])
+    p["x"][1, 0, 2] = value
+    expected, _ = _sequence(kind, p, "reference", **kw)
+    actual, _ = _sequence(kind, p, "numba", **kw)
+    _same_values(actual, expected, tol)
+    assert any(np.isnan(a).any() for a in expected)  # the case is one where NaN appears
+    rng = np.random.default_rng(3)
+    w = _params(rng, kind, 1, 1, 5, 3, dtype)[0]
+    x, h, c = (rng.standard_normal((4, n)).astype(dtype) for n in (5, 3, 3))
+    x[2, 1] = value
+    cts = tuple(rng.standard_normal((4, 3)).astype(dtype) for _ in range(2))
+    results = {}
+    for backend in ("reference", "numba"):
+        with pnn.use_backend(backend):
+            if kind == "lstm":
+                out, pullback = pnn.vjp(pnn.lstm_cell, x, h, c, *w)
+                grads = pullback(cts)
+            else:
+                out, pullback = pnn.vjp(CELL[kind], x, h, *w, **kw)
+                out, grads = (out,), pullback(cts[0])
+        results[backend] = [*out, *(g for g in grads if g is not None)]
+    _same_values(results["numba"], results["reference"], tol)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+@pytest.mark.parametrize("value", [np.inf, -np.inf], ids=["+inf", "-inf"])
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_infinite_inputs_match_pytorch(kind, value):
+    """PyTorch, the tie-breaker for IEEE corner cases, gives the kernels' NaN and values too."""
+    import torch
+
+    p = _problem(kind, layers=1, n=2)
+    p["x"][2, 1, 0] = value
+    actual, grads = _sequence(kind, p, "numba")
+    module = (torch.nn.LSTM if kind == "lstm" else torch.nn.GRU)(4, 3).double()
+    with torch.no_grad():
+        for name, value_ in zip(("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0"), p["params"][0]):
+            getattr(module, name).copy_(torch.from_numpy(value_))
+    x = torch.tensor(p["x"], requires_grad=True)
+    h0 = torch.tensor(p["h0"])
+    states = (h0, torch.tensor(p["c0"])) if kind == "lstm" else h0
+    y, final = module(x, states)
+    finals = final if kind == "lstm" else (final,)
+    cotangents = (p["dy"], p["dh"], p["dc"]) if kind == "lstm" else (p["dy"], p["dh"])
+    total = sum((t * torch.from_numpy(ct)).sum() for t, ct in zip((y, *finals), cotangents))
+    total.backward()
+    theirs = [y, *finals, x.grad, *(getattr(module, n).grad for n in ("weight_ih_l0", "weight_hh_l0",
+                                                                      "bias_ih_l0", "bias_hh_l0"))]
+    ours = [actual[0], *actual[1:1 + len(finals)], grads.x, *grads.params[0]]
+    _same_values(ours, [t.detach().numpy() for t in theirs], 1e-10)
