@@ -1155,7 +1155,8 @@ def _columns_backward(x4, dy4, dx4, w, b, mean, rstd, train, center, need_x, cod
     m_col, r_col = _col_expand(mean, q), _col_expand(rstd, q)
     ga = np.empty((nn, tasks, c * q))
     gb = np.empty((nn, tasks, c * q))
-    _run_columns(_col_grad_parallel, _col_grad_serial, x3.size, x3, dy3, m_col, r_col, w, b, ga, gb, rows, code, slope, h)
+    _run_columns(_col_grad_parallel, _col_grad_serial, x3.size, x3, dy3, m_col, r_col, w, b, ga, gb, rows, code, slope,
+                 h)
     need_dx = need_x and p * q > 0
     mgx = np.empty((nn, c * q))
     mgxh = np.empty((nn, c * q))
