@@ -176,6 +176,36 @@ def _dot(a, b):
 
 
 @njit(inline="always", **_OPTS)
+def _valid_dot(g, s, geo):
+    """Σ g[p] · s[p] over the valid output positions only.  The padded grid's dropped columns hold
+    G = 0, and 0 · ±inf is NaN: where an infinite input sits only under dropped positions of a tap,
+    the whole-grid dot product is NaN while the tap's true sum (the reference's, PyTorch's) is not.
+    Taken only when that dot product is not finite, so finite data keeps its bits."""
+    hp, wp, ow = geo[HP_], geo[WP_], geo[OW_]
+    end = min(g.shape[0], s.shape[0])
+    total = 0.0
+    for od in range(geo[OD_]):
+        for oh in range(geo[OH_]):
+            base = (od * hp + oh) * wp
+            for p in range(base, min(base + ow, end)):
+                total += g[p] * s[p]
+    return total
+
+
+@njit(inline="always", **_OPTS)
+def _add_valid(dst, wv, g, geo):
+    """dst[p] += wv · g[p] over the valid output positions only, for an infinite weight (see
+    :func:`_valid_dot`: the dropped columns' zeros would write NaN where no real tap reaches)."""
+    hp, wp, ow = geo[HP_], geo[WP_], geo[OW_]
+    end = min(g.shape[0], dst.shape[0])
+    for od in range(geo[OD_]):
+        for oh in range(geo[OH_]):
+            base = (od * hp + oh) * wp
+            for p in range(base, min(base + ow, end)):
+                dst[p] += wv * g[p]
+
+
+@njit(inline="always", **_OPTS)
 def _backward_task(k, blocks, xf, w3, dy5, k5, dxf, dwp, dbp, geo, tap_off, code, slope, from_output, need_x,
                    need_w):
     """Images [n0, n1) of block k: their G planes, the block's partial dW and dbias, and dx of its images."""
@@ -195,12 +225,18 @@ def _backward_task(k, blocks, xf, w3, dy5, k5, dxf, dwp, dbp, geo, tap_off, code
                 for t in range(taps):
                     s = src[tap_off[t] : min(plane, tap_off[t] + m)]
                     if need_w:
-                        dw[o, ci, t] += _dot(g, s)
+                        d = _dot(g, s)
+                        if not math.isfinite(d):  # (an infinite x: see _valid_dot)
+                            d = _valid_dot(g, s, geo)
+                        dw[o, ci, t] += d
                     if need_x:
                         wv = w3[o, ci, t]
                         dst = dxf[n, c0 + ci][tap_off[t] : min(plane, tap_off[t] + m)]
-                        for p in range(m):
-                            dst[p] += wv * g[p]
+                        if math.isfinite(wv):
+                            for p in range(m):
+                                dst[p] += wv * g[p]
+                        else:
+                            _add_valid(dst, wv, g, geo)
 
 
 @njit(parallel=True, **_OPTS)

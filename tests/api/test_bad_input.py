@@ -157,9 +157,6 @@ def _flat(value: Any) -> list[np.ndarray]:
 #: Gradients the numba kernels give otherwise than the reference and PyTorch when a parameter holds
 #: ±inf (found by the "$inf" values; known, not yet fixed): (op, argument, backend) -> why.
 INFINITE_PARAMETER_GAPS = {
-    ("conv", "weight", "numba"): "dx NaN at 24 positions where the reference and PyTorch give ±inf: the direct "
-                                 "algorithm's (kernels_cpu/_conv_direct.py) input gradient multiplies an infinite "
-                                 "tap by a zero it should not visit (0 * inf)",
     ("group_norm", "weight", "numba"): "dx +inf at a position where the reference and PyTorch give NaN "
                                        "(inf - inf taken in another order)",
 }

@@ -40,7 +40,9 @@ NOT_TAKEN = object()
 _PLAIN = (Tensor, nn.Parameter)
 _compiling = torch.compiler.is_compiling
 _functorch_active = torch._C._are_functorch_transforms_active
-_keep_graph = torch._C._autograd._get_current_graph_task_keep_graph
+# Whether the running backward keeps the graph (retain_graph); a torch without it keeps the residuals
+# as long as the graph instead (still released with it, never read after a freed backward).
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)
 
 
 def _wanted(op: _ops._OpDef, values: dict[str, Any], grad: bool) -> tuple[str, ...] | None:
