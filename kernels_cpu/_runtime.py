@@ -300,30 +300,11 @@ def _get_num_threads() -> int:
 _numba_config: Any = None
 
 
-@contextlib.contextmanager
-def parallel_section(n: int | None = None) -> Iterator[None]:
-    """Wrap a parallel kernel launch: Numba's pool set to ``n`` threads for its duration, serialised if unsafe."""
-    import numba
-
-    n = parallel_threads() if n is None else n
-    before = numba.get_num_threads()
-    if before != n:
-        numba.set_num_threads(n)
-    try:
-        if _state.get("serialise"):
-            with _serialise:
-                yield
-        else:
-            yield
-    finally:
-        if before != n:
-            numba.set_num_threads(before)
-
-
 def _launch(parallel_kernel, n: int, args: tuple) -> None:
-    """:func:`parallel_section` around one kernel, without a context manager's frames: a small
-    parallel call's launch cost ~25 µs of Python (four ``os.environ`` reads, imports, two context
-    managers) against its ~20 µs kernel on a Zen 3 (batch_norm at (8, 256, 4, 4))."""
+    """Run a parallel kernel with Numba's pool set to ``n`` threads for its duration (serialised
+    where the layer is not thread safe).  Plain calls, no context manager: a small parallel call's
+    launch cost ~25 µs of Python (four ``os.environ`` reads, imports, two context managers) against
+    its ~20 µs kernel on a Zen 3 (batch_norm at (8, 256, 4, 4))."""
     import numba
 
     before = numba.get_num_threads()

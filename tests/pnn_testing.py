@@ -244,6 +244,18 @@ def assert_close(actual: Any, expected: Any, tol: float, what: str = "") -> None
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
 
 
+def assert_matches(actual: Any, expected: Any, tol: float, what: str) -> None:
+    """Relative error within ``tol``; NaN and ±inf must sit at the same places."""
+    a, e = np.asarray(to_numpy(actual), np.float64), np.asarray(to_numpy(expected), np.float64)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+    special = ~np.isfinite(e)
+    np.testing.assert_array_equal(np.isnan(a), np.isnan(e), err_msg=f"{what}: NaN positions")
+    np.testing.assert_array_equal(a[special & ~np.isnan(e)], e[special & ~np.isnan(e)], err_msg=f"{what}: inf")
+    if (~special).any():
+        err = rel_err(a[~special], e[~special])
+        assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.1e}"
+
+
 def directional_check(
     f: Callable[..., Any],
     args: Mapping[str, np.ndarray],

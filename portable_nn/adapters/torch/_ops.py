@@ -63,17 +63,11 @@ def _remember(pullback: Callable[..., Any], fields: frozenset[str]) -> Tensor:
     backward, in eager mode or in a compiled graph.  (A ``weakref.finalize`` on a NumPy scalar did
     the same in 5.4 µs a call, a tenth of a small layer's forward; this takes 2.)
     """
-    return _remember_key(pullback, fields)[1]
-
-
-def _remember_key(pullback: Callable[..., Any], fields: frozenset[str]) -> tuple[int, Tensor]:
-    """:func:`_remember`, returning the key as an int too (the eager path keeps it on its ``ctx``:
-    reading it back from the handle costs ~1 µs)."""
     key = next(_keys)
     _saved[key] = _Saved(pullback, fields)
     memory = _Key(key.to_bytes(8, sys.byteorder, signed=True))
     memory.key = key
-    return key, torch.from_numpy(np.frombuffer(memory, dtype=np.int64).reshape(()))
+    return torch.from_numpy(np.frombuffer(memory, dtype=np.int64).reshape(()))
 
 
 def _no_handle() -> Tensor:

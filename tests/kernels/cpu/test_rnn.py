@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import portable_nn as pnn
-from pnn_testing import HAS_TORCH, run_in_threads
+from pnn_testing import HAS_TORCH, assert_matches, run_in_threads
 
 pytestmark = pytest.mark.skipif(not pnn.available_backends()["numba"], reason="numba not installed")
 
@@ -209,6 +209,18 @@ def test_lstm_projection_gradients_skip_unwanted_weights_and_fill_out_buffers():
         _assert_matches(list(row), list(want), 1e-12)
 
 
+def _cell(kind, kw, backend, x, h, c, w, cts):
+    """A cell's outputs and gradients (flattened to a list of arrays) on ``backend``."""
+    with pnn.use_backend(backend):
+        if kind == "lstm":
+            out, pullback = pnn.vjp(pnn.lstm_cell, x, h, c, *w)
+            grads = pullback(cts)
+        else:
+            out, pullback = pnn.vjp(CELL[kind], x, h, *w, **kw)
+            out, grads = (out,), pullback(cts[0])
+    return [*out, *(g for g in grads if g is not None)]
+
+
 @pytest.mark.parametrize("unbatched", [False, True], ids=["batched", "unbatched"])
 @pytest.mark.parametrize(("kind", "kw"), VARIANTS, ids=VARIANT_IDS)
 def test_cell_float64_matches_the_reference(kind, kw, unbatched):
@@ -217,16 +229,7 @@ def test_cell_float64_matches_the_reference(kind, kw, unbatched):
     w = _params(rng, kind, 1, 1, 5, 3, np.float64)[0]
     x, h, c = rng.standard_normal((*lead, 5)), rng.standard_normal((*lead, 3)), rng.standard_normal((*lead, 3))
     cts = (rng.standard_normal((*lead, 3)), rng.standard_normal((*lead, 3)))
-    results = {}
-    for backend in ("reference", "numba"):
-        with pnn.use_backend(backend):
-            if kind == "lstm":
-                out, pullback = pnn.vjp(pnn.lstm_cell, x, h, c, *w)
-                grads = pullback(cts)
-            else:
-                out, pullback = pnn.vjp(CELL[kind], x, h, *w, **kw)
-                out, grads = (out,), pullback(cts[0])
-        results[backend] = [*out, *(g for g in grads if g is not None)]
+    results = {backend: _cell(kind, kw, backend, x, h, c, w, cts) for backend in ("reference", "numba")}
     _assert_matches(results["numba"], results["reference"], 1e-12)
 
 
@@ -422,15 +425,8 @@ def test_zero_sizes(kind):
 
 
 def _same_values(actual, expected, tol):
-    """NaN at the same places, ±inf equal, finite values within ``tol`` of the largest finite one."""
-    for i, (a, e) in enumerate(zip(actual, expected)):
-        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
-        assert np.array_equal(np.isnan(a), np.isnan(e)), f"array {i}: NaN at other places"
-        finite = np.isfinite(e)
-        assert np.array_equal(a[~finite & ~np.isnan(e)], e[~finite & ~np.isnan(e)]), f"array {i}: infinities differ"
-        if finite.any():
-            scale = max(np.max(np.abs(e[finite])), 1e-300)
-            assert np.max(np.abs(a[finite] - e[finite])) / scale <= tol, f"array {i}"
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        assert_matches(a, e, tol, f"array {i}")
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # (the reference's NumPy: inf − inf)
@@ -453,16 +449,7 @@ def test_infinite_inputs_give_the_reference_s_nans(kind, kw, value, dtype):
     x, h, c = (rng.standard_normal((4, n)).astype(dtype) for n in (5, 3, 3))
     x[2, 1] = value
     cts = tuple(rng.standard_normal((4, 3)).astype(dtype) for _ in range(2))
-    results = {}
-    for backend in ("reference", "numba"):
-        with pnn.use_backend(backend):
-            if kind == "lstm":
-                out, pullback = pnn.vjp(pnn.lstm_cell, x, h, c, *w)
-                grads = pullback(cts)
-            else:
-                out, pullback = pnn.vjp(CELL[kind], x, h, *w, **kw)
-                out, grads = (out,), pullback(cts[0])
-        results[backend] = [*out, *(g for g in grads if g is not None)]
+    results = {backend: _cell(kind, kw, backend, x, h, c, w, cts) for backend in ("reference", "numba")}
     _same_values(results["numba"], results["reference"], tol)
 
 

@@ -13,7 +13,7 @@ import pytest
 
 import portable_nn as pnn
 from kernels_gpu.cuda_c import _runtime as rt
-from pnn_testing import KEYWORD_PARAM_NORMS, TOL, rel_err
+from pnn_testing import KEYWORD_PARAM_NORMS, TOL, assert_matches
 
 HAS_NVRTC = importlib.util.find_spec("cuda") is not None and importlib.util.find_spec("cuda.bindings") is not None
 
@@ -298,18 +298,6 @@ def gpu_compare(spec, dtype, mixed, tol_factor=1.0, tol=None, lib=None, backend=
     for name in ("running_mean", "running_var"):
         if name in kwargs and kwargs.get("training", True) and kwargs.get("use_input_stats", True):
             assert_matches(_host(dev_kwargs[name]), _host(ref_kwargs[name]), TOL[pdt], name)
-
-
-def assert_matches(actual, expected, tol, what):
-    """Relative error within ``tol``; NaN and ±inf must sit at the same places."""
-    a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
-    special = ~np.isfinite(e)
-    np.testing.assert_array_equal(np.isnan(a), np.isnan(e), err_msg=f"{what}: NaN positions")
-    np.testing.assert_array_equal(a[special & ~np.isnan(e)], e[special & ~np.isnan(e)], err_msg=f"{what}: inf")
-    if (~special).any():
-        err = rel_err(a[~special], e[~special])
-        assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.1e}"
 
 
 def emulated_case(module, forward, backward, spec, dtype, mixed, needs, grad_dtypes=None, tol_factor=1.0):
