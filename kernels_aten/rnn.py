@@ -55,7 +55,7 @@ def _recording() -> Iterator[None]:
     inside a custom op, below PyTorch's autograd dispatch keys (where ``enable_grad`` alone
     records nothing); and a caller may be in inference mode.  All three are lifted for the
     duration of the forward only.  ``_ForceDispatchKeyGuard`` is private PyTorch API: the
-    adapter test in tests/kernels/aten/test_rnn.py says when a PyTorch release changes it.
+    adapter test in tests/kernel_packages/aten/test_rnn.py says when a PyTorch release changes it.
     """
     with torch.inference_mode(False), torch.enable_grad():
         # read after leaving inference mode, which excludes more than autograd's keys

@@ -13,7 +13,7 @@ inline (the callers are the row functions of :mod:`.activations`, :mod:`.rnn` an
 Approximations (all polynomials fitted for this module: weighted least squares on Chebyshev
 nodes solved in 40-digit arithmetic (mpmath), reweighted towards equal ripple; the "fit" error
 is the polynomial's own, with its coefficients rounded to the dtype; "measured" is the whole
-function evaluated in the dtype against mpmath, tests/kernels/cpu/test_vmath.py):
+function evaluated in the dtype against mpmath, tests/kernel_packages/cpu/test_vmath.py):
 
 * :func:`exp` — x = k ln 2 + r, |r| <= ln 2 / 2 (Cody–Waite: ln 2 in two parts), e^r by a
   polynomial of degree 6 (float32, fit 9.6e-8) or 11 (float64, fit 1.8e-16), 2^k put into the
@@ -33,7 +33,7 @@ function evaluated in the dtype against mpmath, tests/kernels/cpu/test_vmath.py)
   σ(∞) = 1.
 
 Measured max errors in ulp of the exact value (whole functions, dense grids over the range,
-both tails, against mpmath; tests/kernels/cpu/test_vmath.py holds them):
+both tails, against mpmath; tests/kernel_packages/cpu/test_vmath.py holds them):
 
 ==========  =======  =======
 function    float32  float64

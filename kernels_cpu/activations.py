@@ -1,8 +1,9 @@
 """Activations for Numba kernels, selected by a runtime code: per element and per row.
 
 Codes are the names of :mod:`portable_nn.kernel_codes` (identity 0,
-relu 1, sigmoid 2, tanh 3, gelu 4, gelu_tanh 5, silu 6, leaky_relu 7), so one
-compiled kernel serves every activation.
+relu 1, sigmoid 2, tanh 3, gelu 4, gelu_tanh 5, silu 6, leaky_relu 7, hardswish 8,
+hardsigmoid 9, relu6 10, mish 11, elu 12), so one compiled kernel serves every activation;
+``slope`` is the one parameter (leaky_relu's slope, elu's alpha).
 
 Two forms:
 
@@ -28,7 +29,21 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from portable_nn.kernel_codes import GELU, GELU_TANH, IDENTITY, LEAKY_RELU, RELU, SIGMOID, SILU, TANH
+from portable_nn.kernel_codes import (
+    ELU,
+    GELU,
+    GELU_TANH,
+    HARDSIGMOID,
+    HARDSWISH,
+    IDENTITY,
+    LEAKY_RELU,
+    MISH,
+    RELU,
+    RELU6,
+    SIGMOID,
+    SILU,
+    TANH,
+)
 
 from . import _vmath as vm
 
@@ -36,6 +51,27 @@ _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _K = math.sqrt(2.0 / math.pi)
 _C = 0.044715
+# mish: from z = 40 on, tanh(softplus(z)) = 1 and z · (1 − tanh²) < 1e-32; clipping there keeps e^(2z) finite
+# (see portable_nn/reference/activations.py, the same formulas).
+_MISH_CLIP = 40.0
+
+
+@njit(inline="always", error_model="numpy", cache=True)
+def _clip06(v, zero, six):
+    """min(max(v, 0), 6) with NaN kept (the constants in v's type, so float32 stays float32)."""
+    v = zero if v < zero else v
+    return six if v > six else v
+
+
+@njit(inline="always", error_model="numpy", cache=True)
+def _tanh_softplus(z, clip, zero, one, two, four):
+    """(tanh(softplus(z)), 1 − tanh²(softplus(z))) from n = e^z: with u = n(n + 2), u / (u + 2) and
+    4(u + 1) / (u + 2)², no difference formed; the second is 0 from the clip on."""
+    below = z < clip
+    n = vm.exp(z if below else clip)
+    u = n * (n + two)
+    d = u + two
+    return u / d, four * (u + one) / (d * d) if below else zero
 
 
 @njit(inline="always", error_model="numpy", cache=True)
@@ -69,12 +105,24 @@ def act(z, code, slope):
         return 0.5 * z * (1.0 + math.tanh(_K * (z + _C * z * z * z)))
     if code == SILU:
         return z * sigmoid(z)
+    if code == HARDSWISH:
+        return z * _clip06(z + 3.0, 0.0, 6.0) / 6.0
+    if code == HARDSIGMOID:
+        return _clip06(z + 3.0, 0.0, 6.0) / 6.0
+    if code == RELU6:
+        return _clip06(z, 0.0, 6.0)
+    if code == MISH:
+        return z * _tanh_softplus(z, _MISH_CLIP, 0.0, 1.0, 2.0, 4.0)[0]
+    if code == ELU:
+        return slope * math.expm1(z) if z <= 0.0 else z
     return z if z > 0.0 else slope * z
 
 
 @njit(error_model="numpy", cache=True)
 def act_grad(z, code, slope):
-    """act'(z), with PyTorch's values at kinks (relu'(0) = 0, leaky_relu'(0) = slope)."""
+    """act'(z), with PyTorch's values at kinks (relu'(0) = 0, leaky_relu'(0) = slope, the others as
+    :data:`portable_nn.ACTIVATIONS` lists them; where no comparison holds, NaN, the gradient passes
+    as PyTorch's backward lets it)."""
     if code == IDENTITY:
         return 1.0
     if code == RELU:
@@ -93,6 +141,17 @@ def act_grad(z, code, slope):
     if code == SILU:
         s = sigmoid(z)
         return s * (1.0 + z * (1.0 - s))
+    if code == HARDSWISH:
+        return 0.0 if z <= -3.0 else (z / 3.0 + 0.5 if z < 3.0 else 1.0)
+    if code == HARDSIGMOID:
+        return 1.0 / 6.0 if -3.0 < z < 3.0 else 0.0
+    if code == RELU6:
+        return 0.0 if z <= 0.0 or z >= 6.0 else 1.0
+    if code == MISH:
+        t, dt = _tanh_softplus(z, _MISH_CLIP, 0.0, 1.0, 2.0, 4.0)
+        return t + z * sigmoid(z) * dt
+    if code == ELU:
+        return slope * math.exp(z) if z <= 0.0 else 1.0
     return 1.0 if z > 0.0 else slope
 
 
@@ -248,6 +307,47 @@ def act_row(y, code, slope):
         for i in range(n):
             v = y[i]
             y[i] = v if v > zero else neg * v + zero  # + 0: relu gives +0.0, as PyTorch does
+    elif code == HARDSWISH or code == HARDSIGMOID or code == RELU6:
+        _hard_row(y, code)
+    elif code == MISH:
+        clip, zero, one, two, four = f(_MISH_CLIP), f(0.0), f(1.0), f(2.0), f(4.0)
+        for i in range(n):
+            z = y[i]
+            y[i] = z * _tanh_softplus(z, clip, zero, one, two, four)[0]
+    elif code == ELU:
+        _elu_row(y, f(slope))
+
+
+@njit(**_ROW)
+def _elu_row(y, alpha):
+    """elu in place.  e^z − 1 for z ≤ 0 as 2t / (1 − t), t = tanh(z/2): 1 − t ∈ [1, 2], so no
+    cancellation near 0, where e^z − 1 loses its digits.  (A function of its own: inlined into
+    act_row, its tanh met Numba's SSA check, which warned at compile time.)"""
+    f = y.dtype.type
+    zero, half, one, two = f(0.0), f(0.5), f(1.0), f(2.0)
+    for i in range(y.shape[0]):
+        z = y[i]
+        h = zero if z > zero else z
+        t = vm.tanh(h * half)
+        y[i] = z if z > zero else alpha * (two * t / (one - t))
+
+
+@njit(inline="always", **_ROW)
+def _hard_row(y, code):
+    """hardswish, hardsigmoid or relu6 in place: PyTorch's formulas (z · clip(z + 3, 0, 6) / 6 ...)."""
+    f = y.dtype.type
+    zero, three, six = f(0.0), f(3.0), f(6.0)
+    n = y.shape[0]
+    if code == RELU6:
+        for i in range(n):
+            y[i] = _clip06(y[i], zero, six)
+    elif code == HARDSIGMOID:
+        for i in range(n):
+            y[i] = _clip06(y[i] + three, zero, six) / six
+    else:
+        for i in range(n):
+            z = y[i]
+            y[i] = z * _clip06(z + three, zero, six) / six
 
 
 @njit(**_ROW)
@@ -289,6 +389,46 @@ def act_grad_row(z, g, code, slope):
         zero = f(0.0)
         for i in range(n):
             g[i] *= one if z[i] > zero else neg
+    elif code == HARDSWISH or code == HARDSIGMOID or code == RELU6:
+        _hard_grad_row(z, g, code)
+    elif code == MISH:
+        clip, zero, two, four = f(_MISH_CLIP), f(0.0), f(2.0), f(4.0)
+        for i in range(n):
+            v = z[i]
+            t, dt = _tanh_softplus(v, clip, zero, one, two, four)
+            g[i] *= t + v * _sigmoid_parts(v, one)[0] * dt
+    elif code == ELU:
+        alpha, zero = f(slope), f(0.0)
+        for i in range(n):
+            v = z[i]
+            e = alpha * vm.exp(zero if v > zero else v)  # (the select on its own line: one select in
+            g[i] *= e if v <= zero else one  # the expression kept the loop scalar, 24 vs 2 ms per 4M)
+
+
+@njit(inline="always", **_ROW)
+def _hard_grad_row(z, g, code):
+    """g ← g · act'(z) for hardswish, hardsigmoid or relu6, PyTorch's pieces (NaN passes the gradient
+    where PyTorch's does: hardswish, relu6)."""
+    f = g.dtype.type
+    zero, one, three, six = f(0.0), f(1.0), f(3.0), f(6.0)
+    n = g.shape[0]
+    if code == RELU6:
+        for i in range(n):
+            v = z[i]
+            w = zero if v <= zero else one
+            g[i] *= zero if v >= six else w
+    elif code == HARDSIGMOID:
+        sixth = f(1.0 / 6.0)
+        for i in range(n):
+            v = z[i]
+            w = sixth if v > -three else zero
+            g[i] *= w if v < three else zero
+    else:
+        half = f(0.5)
+        for i in range(n):
+            v = z[i]
+            w = v / three + half if v < three else one
+            g[i] *= zero if v <= -three else w
 
 
 @njit(**_ROW)

@@ -35,13 +35,24 @@ from portable_nn.kernel_codes import IDENTITY, keeps_output_only
 from . import _runtime
 from ._blas import gemm, power_of_two, span
 from ._runtime import into as _into
-from .activations import apply_kind, deriv_kind, is_rectifier, rectifier_slope
+from .activations import (
+    act_grad_from_output_row,
+    act_grad_row,
+    act_row,
+    apply_kind,
+    deriv_kind,
+    is_rectifier,
+    rectifier_slope,
+)
 
 _OPTS = {"cache": True, "error_model": "numpy", "nogil": True}
 # --------------------------------------------------------------------------- epilogue and gradient pass
 #
-# Loop nests take an activation *kind* as a literal (0 identity, 1 relu or leaky_relu, 2 any
-# other, called): see ``kernels_cpu.conv`` for why (branchy relu loops, compile time).
+# Loop nests take an activation *kind* as a literal (0 identity, 1 relu or leaky_relu): see
+# ``kernels_cpu.conv`` for why (branchy relu loops, compile time).  Every other activation runs on
+# whole rows in the vector loops of activations.act_row / act_grad_row, in the row's dtype: per
+# element through a called float64 function, a (2048, 512) -> 512 float32 layer with silu took
+# 40.9 ms forward and backward against the identity's 20.5 (2 threads, AMD Zen 5).
 
 
 @njit(inline="always", **_OPTS)
@@ -61,13 +72,31 @@ def _epilogue_rows(z, b, y, r0, r1, keep_z, kind, code, slope):
 
 
 @njit(**_OPTS)
+def _epilogue_act_rows(z, b, y, r0, r1, keep_z, code, slope):
+    """Rows [r0, r1) for the activations that are neither the identity nor a rectifier: z + b
+    (kept in z, or written to y), then y = act(y) along each row in one vector loop."""
+    for i in range(r0, r1):
+        zr = z[i]
+        yr = y[i]
+        if keep_z:
+            for j in range(zr.shape[0]):
+                zr[j] += b[j]
+            for j in range(zr.shape[0]):
+                yr[j] = zr[j]
+        else:
+            for j in range(zr.shape[0]):
+                yr[j] = zr[j] + b[j]
+        act_row(yr, code, slope)
+
+
+@njit(**_OPTS)
 def _epilogue(z, b, y, r0, r1, keep_z, code, slope):
     if code == IDENTITY:
         _epilogue_rows(z, b, y, r0, r1, keep_z, 0, code, slope)
     elif is_rectifier(code):
         _epilogue_rows(z, b, y, r0, r1, keep_z, 1, code, rectifier_slope(code, slope))
     else:
-        _epilogue_rows(z, b, y, r0, r1, keep_z, 2, code, slope)
+        _epilogue_act_rows(z, b, y, r0, r1, keep_z, code, slope)
 
 
 @njit(inline="always", **_OPTS)
@@ -85,13 +114,30 @@ def _grad_rows(dy, k, g, db, r0, r1, kind, code, slope, from_output):
 
 
 @njit(**_OPTS)
+def _grad_act_rows(dy, k, g, db, r0, r1, code, slope, from_output):
+    """Rows [r0, r1) of g = dy · act'(k) for the other activations (k is y when ``from_output``,
+    else z), one vector loop per row, and db += Σ_rows g in float64 as _grad_rows sums it."""
+    for i in range(r0, r1):
+        d = dy[i]
+        gr = g[i]
+        for j in range(d.shape[0]):
+            gr[j] = d[j]
+        if from_output:
+            act_grad_from_output_row(k[i], gr, code, slope)
+        else:
+            act_grad_row(k[i], gr, code, slope)
+        for j in range(d.shape[0]):
+            db[j] += gr[j]
+
+
+@njit(**_OPTS)
 def _grad(dy, k, g, db, r0, r1, code, slope, from_output):
     if code == IDENTITY:
         _grad_rows(dy, k, g, db, r0, r1, 0, code, slope, from_output)
     elif is_rectifier(code) and from_output:
         _grad_rows(dy, k, g, db, r0, r1, 1, code, rectifier_slope(code, slope), from_output)
     else:
-        _grad_rows(dy, k, g, db, r0, r1, 2, code, slope, from_output)
+        _grad_act_rows(dy, k, g, db, r0, r1, code, slope, from_output)
 
 
 # --------------------------------------------------------------------------- serial kernels (product included)

@@ -98,6 +98,18 @@ PARALLEL_MIN_ELEMENTS = 1 << 15
 ONE_PARTIAL_BELOW = 1 << 15
 
 
+
+
+@njit(inline="always", **_OPTS)
+def _index(base, j):
+    """base + j as an unsigned index, for the loops over a block of a row.  Numba wraps a signed
+    index (a select on index < 0 at every access); LLVM drops it for a plain ``range(n)`` index but
+    not for base + j, and the loop then stays scalar: the dx pass of a (4096, 1024) float32
+    layer_norm + silu backward, one thread, AMD Zen 5, 13 ms with base + j, 2.9 ms unsigned
+    (the identity's flat loop: 2.7 ms)."""
+    return np.uintp(base + j)
+
+
 # --------------------------------------------------------------------------- forward
 
 
@@ -217,7 +229,7 @@ def _write_half(xr, yr, mh, ml, r, s, b, code, slope, h):
         for b0 in range(0, n, ROW_BLOCK):
             k = min(n - b0, ROW_BLOCK)
             for j in range(k):
-                q = b0 + j
+                q = _index(b0, j)
                 buf[j] = ((_ld(xr, q, h) - _at(mh, q)) - _at(ml, q)) * _at(r, q) * _at(s, q) + _at(b, q)
             act_row(buf[:k], code, slope)
             for j in range(k):
@@ -388,7 +400,7 @@ def _g_block(xr, dyr, wv, bv, mh, ml, rr, q0, k, zs, gs, code, slope, h):
     """gs[:k] = dy · act'(x̂ · w + b) over elements q0 … q0 + k − 1 of a row, in the compute type
     (x̂ = ((x − mh) − ml) · rr as the identity's loops take it; wv, bv arrays or a segment's scalars)."""
     for j in range(k):
-        q = q0 + j
+        q = _index(q0, j)
         zs[j] = (((_ld(xr, q, h) - mh) - ml) * rr) * _at(wv, q) + _at(bv, q)
         gs[j] = _ld(dyr, q, h)
     act_grad_row(zs[:k], gs[:k], code, slope)
@@ -399,7 +411,7 @@ def _g_block_columns(xr, dyr, mi, ri, w, b, j0, k, zs, gs, code, slope, h):
     """The same for column mode, whose statistics are per column: z from x̂ in float64 (mean and
     rstd are float64 per column; x − mean must not be taken in float32)."""
     for j in range(k):
-        q = j0 + j
+        q = _index(j0, j)
         zs[j] = ((np.float64(_ld(xr, q, h)) - mi[q]) * ri[q]) * w[q] + b[q]
         gs[j] = _ld(dyr, q, h)
     act_grad_row(zs[:k], gs[:k], code, slope)
@@ -516,7 +528,7 @@ def _row_act_sums(xr, dyr, wv, bv, dwr, dbr, m, r, code, slope, h):
         k = min(n - b0, ROW_BLOCK)
         _g_block(xr, dyr, wv, bv, mh, ml, rr, b0, k, zs, gs, code, slope, h)
         for j in range(k):  # a loop of its own: stores and the reduction in one loop do not vectorise
-            q = b0 + j
+            q = _index(b0, j)
             g = dt(gs[j])
             dwr[q] += g * (((dt(_ld(xr, q, h)) - mhd) - mld) * rrd)
             dbr[q] += g
@@ -621,11 +633,11 @@ def _dx_act_row(xr, dyr, dxr, wv, bv, m, r, mean_gx, mean_gxh, train, code, slop
         _g_block(xr, dyr, wv, bv, mh, ml, rr, b0, k, zs, gs, code, slope, h)
         if train:
             for j in range(k):
-                q = b0 + j
+                q = _index(b0, j)
                 _st(dxr, q, rr * (gs[j] * wv[q] - c0 - ((_ld(xr, q, h) - mh) - ml) * rr * a), h)
         else:
             for j in range(k):
-                q = b0 + j
+                q = _index(b0, j)
                 _st(dxr, q, rr * gs[j] * wv[q], h)
 
 
@@ -666,12 +678,12 @@ def _dx_segment(xr, dyr, dxr, wj, bj, m, r, mean_gx, mean_gxh, train, code, slop
         if is_rectifier(code):  # inference
             neg, one = _c(rectifier_slope(code, slope), xr, h), _c(1.0, xr, h)
             for j in range(k):
-                q = b0 + j
+                q = _index(b0, j)
                 gs[j] = _ld(dyr, q, h) * (one if ((_ld(xr, q, h) - mh) - ml) * a + bc > 0.0 else neg)
         else:
             _g_block(xr, dyr, wc, bc, mh, ml, rr, b0, k, zs, gs, code, slope, h)
         for j in range(k):
-            q = b0 + j
+            q = _index(b0, j)
             _st(dxr, q, a * gs[j] - bx * ((_ld(xr, q, h) - mh) - ml) - c0, h)
 
 
@@ -913,7 +925,7 @@ def _col_grad_task(t, x3, dy3, m, r, w, b, ga, gb, rows, code, slope, h):
                 kk = min(n - j0, ROW_BLOCK)
                 _g_block_columns(xr, dyr, mi, ri, w, b, j0, kk, zs, gs, code, slope, h)
                 for j in range(kk):
-                    q = j0 + j
+                    q = _index(j0, j)
                     g = np.float64(gs[j])
                     a[q] += g
                     bb[q] += g * ((np.float64(_ld(xr, q, h)) - mi[q]) * ri[q])
@@ -963,13 +975,13 @@ def _col_dx_task(t, x3, dy3, dx3, m, r, w, b, mgx, mgxh, rows, tasks, train, cod
                 neg = _c(rectifier_slope(code, slope), xr, h)
                 one = _c(1.0, xr, h)
                 for j in range(kk):
-                    q = j0 + j
+                    q = _index(j0, j)
                     xh = (np.float64(_ld(xr, q, h)) - mi[q]) * ri[q]
                     gs[j] = _ld(dyr, q, h) * (one if xh * w[q] + b[q] > 0.0 else neg)
             else:
                 _g_block_columns(xr, dyr, mi, ri, w, b, j0, kk, zs, gs, code, slope, h)
             for j in range(kk):
-                q = j0 + j
+                q = _index(j0, j)
                 g = np.float64(gs[j])
                 if train:
                     _st(dxr, q, ri[q] * (g * w[q] - ai[q] - ((np.float64(_ld(xr, q, h)) - mi[q]) * ri[q]) * ci[q]), h)

@@ -77,7 +77,7 @@ def gpu_status() -> tuple[bool, str]:
 #: the adapters on CUDA tensors (about 1,300 cases, a minute with 15 workers on an H200 host).  The
 #: API tests parametrise every op over the GPU libraries too: with ``--full`` all of them run
 #: (about 67,000 cases: 2,700 took 140 s on that host).
-KERNEL_TEST_PATHS = ("tests/kernels", "tests/adapters")
+KERNEL_TEST_PATHS = ("tests/kernel_packages", "tests/adapters")
 
 
 def run_tests(quick: bool, full: bool = False) -> dict[str, Any]:

@@ -22,6 +22,11 @@ GELU = 4
 GELU_TANH = 5
 SILU = 6
 LEAKY_RELU = 7
+HARDSWISH = 8
+HARDSIGMOID = 9
+RELU6 = 10
+MISH = 11
+ELU = 12
 
 #: Every activation name and its code (the table is documented at :data:`portable_nn.ACTIVATIONS`).
 ACTIVATION_CODES: dict[str, int] = {
@@ -33,7 +38,16 @@ ACTIVATION_CODES: dict[str, int] = {
     "gelu_tanh": GELU_TANH,
     "silu": SILU,
     "leaky_relu": LEAKY_RELU,
+    "hardswish": HARDSWISH,
+    "hardsigmoid": HARDSIGMOID,
+    "relu6": RELU6,
+    "mish": MISH,
+    "elu": ELU,
 }
+
+#: The activations with a parameter, and its default: leaky_relu's negative slope, elu's alpha
+#: (PyTorch's defaults).  Kernels receive it as ``slope`` whatever its name.
+PARAMETER_DEFAULTS: dict[str, float] = {"leaky_relu": 0.01, "elu": 1.0}
 
 #: Activations whose derivative is a function of the output alone: their backward keeps only
 #: y = act(z), not the pre-activation z.

@@ -1,4 +1,5 @@
-"""``portable_nn.threads``: the public thread count (its effect on kernels: tests/kernels/cpu/test_runtime.py)."""
+"""``portable_nn.threads``: the public thread count (its effect on kernels:
+tests/kernel_packages/cpu/test_runtime.py)."""
 
 from __future__ import annotations
 

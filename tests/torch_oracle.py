@@ -25,13 +25,23 @@ TORCH_ACT = {
     "leaky_relu": F.leaky_relu,
     "leaky_relu(0.2)": lambda z: F.leaky_relu(z, 0.2),
     "leaky_relu(-0.3)": lambda z: F.leaky_relu(z, -0.3),
+    "hardswish": F.hardswish,
+    # PyTorch's own hardsigmoid backward multiplies by 1/6 rounded to float32 even in float64; ours
+    # by the dtype's 1/6 (the kinks at ±3 and 0 are those of relu6 here too)
+    "hardsigmoid": lambda z: F.relu6(z + 3.0) / 6.0,
+    "relu6": F.relu6,
+    "mish": F.mish,
+    "elu": F.elu,
+    "elu(0.5)": lambda z: F.elu(z, 0.5),
 }
 
 
 def activation_arg(label: str) -> Any:
-    """The ``activation=`` argument for a label of :data:`TORCH_ACT`."""
-    if label.startswith("leaky_relu("):
-        return ("leaky_relu", float(label[len("leaky_relu(") : -1]))
+    """The ``activation=`` argument for a label of :data:`TORCH_ACT`: a name, or ``name(parameter)``
+    as ``(name, parameter)``."""
+    if label.endswith(")"):
+        name, param = label[:-1].split("(")
+        return (name, float(param))
     return label
 
 

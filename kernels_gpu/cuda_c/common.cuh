@@ -123,6 +123,8 @@ __device__ __forceinline__ float pnn_log(float v) { return logf(v); }
 __device__ __forceinline__ double pnn_log(double v) { return log(v); }
 __device__ __forceinline__ float pnn_tanh(float v) { return tanhf(v); }
 __device__ __forceinline__ double pnn_tanh(double v) { return tanh(v); }
+__device__ __forceinline__ float pnn_expm1(float v) { return expm1f(v); }
+__device__ __forceinline__ double pnn_expm1(double v) { return expm1(v); }
 __device__ __forceinline__ float pnn_erf(float v) { return erff(v); }
 __device__ __forceinline__ double pnn_erf(double v) { return erf(v); }
 __device__ __forceinline__ float pnn_sqrt(float v) { return sqrtf(v); }
@@ -144,7 +146,7 @@ template <class A> __device__ __forceinline__ A sigmoid(A z) {
 // --------------------------------------------------------------------------- activations
 //
 // Runtime codes, as portable_nn/kernel_codes.py defines them (a test checks these against it);
-// leaky_relu comes with `slope`, gelu is the exact (erf) form.
+// leaky_relu comes with `slope`, elu with its alpha in `slope`, gelu is the exact (erf) form.
 
 #define PNN_ACT_IDENTITY 0
 #define PNN_ACT_RELU 1
@@ -154,11 +156,35 @@ template <class A> __device__ __forceinline__ A sigmoid(A z) {
 #define PNN_ACT_GELU_TANH 5
 #define PNN_ACT_SILU 6
 #define PNN_ACT_LEAKY_RELU 7
+#define PNN_ACT_HARDSWISH 8
+#define PNN_ACT_HARDSIGMOID 9
+#define PNN_ACT_RELU6 10
+#define PNN_ACT_MISH 11
+#define PNN_ACT_ELU 12
 
 #define PNN_INV_SQRT2 0.70710678118654752440
 #define PNN_INV_SQRT_2PI 0.39894228040143267794
 #define PNN_SQRT_2_OVER_PI 0.79788456080286535588
 #define PNN_GELU_C 0.044715
+// mish: from z = 40 on, tanh(softplus(z)) = 1 and z (1 - tanh^2) < 1e-32 (portable_nn/reference/activations.py)
+#define PNN_MISH_CLIP 40.0
+
+// min(max(v, 0), 6), NaN kept (PyTorch's hardtanh(0, 6)).
+template <class A> __device__ __forceinline__ A pnn_clip06(A v) {
+    v = v < A(0) ? A(0) : v;
+    return v > A(6) ? A(6) : v;
+}
+
+// (tanh(softplus(z)), 1 - tanh^2(softplus(z))) from n = e^z: with u = n (n + 2), u / (u + 2) and
+// 4 (u + 1) / (u + 2)^2, no difference formed; the second is 0 from the clip on.
+template <class A> __device__ __forceinline__ void pnn_tanh_softplus(A z, A& t, A& dt) {
+    const bool below = z < A(PNN_MISH_CLIP);
+    const A n = pnn_exp(below ? z : A(PNN_MISH_CLIP));
+    const A u = n * (n + A(2));
+    const A d = u + A(2);
+    t = u / d;
+    dt = below ? A(4) * (u + A(1)) / (d * d) : A(0);
+}
 
 template <class A> __device__ __forceinline__ A act_fwd(A z, int code, A slope) {
     switch (code) {
@@ -169,11 +195,17 @@ template <class A> __device__ __forceinline__ A act_fwd(A z, int code, A slope) 
         case PNN_ACT_GELU: return A(0.5) * z * (A(1) + pnn_erf(z * A(PNN_INV_SQRT2)));
         case PNN_ACT_GELU_TANH: return A(0.5) * z * (A(1) + pnn_tanh(A(PNN_SQRT_2_OVER_PI) * (z + A(PNN_GELU_C) * z * z * z)));
         case PNN_ACT_SILU: return z * sigmoid(z);
+        case PNN_ACT_HARDSWISH: return z * pnn_clip06(z + A(3)) / A(6);
+        case PNN_ACT_HARDSIGMOID: return pnn_clip06(z + A(3)) / A(6);
+        case PNN_ACT_RELU6: return pnn_clip06(z);
+        case PNN_ACT_MISH: { A t, dt; pnn_tanh_softplus(z, t, dt); return z * t; }
+        case PNN_ACT_ELU: return z <= A(0) ? slope * pnn_expm1(z) : z;
         default: return z > A(0) ? z : slope * z;  // PNN_ACT_LEAKY_RELU
     }
 }
 
-// act'(z), with PyTorch's values at kinks (relu'(0) = 0, leaky_relu'(0) = slope).
+// act'(z), with PyTorch's values at kinks (relu'(0) = 0, leaky_relu'(0) = slope, the others as
+// portable_nn.ACTIVATIONS lists them; NaN passes the gradient where PyTorch's backward does).
 template <class A> __device__ __forceinline__ A act_grad(A z, int code, A slope) {
     switch (code) {
         case PNN_ACT_IDENTITY: return A(1);
@@ -189,6 +221,11 @@ template <class A> __device__ __forceinline__ A act_grad(A z, int code, A slope)
                    A(0.5) * z * (A(1) - t * t) * A(PNN_SQRT_2_OVER_PI) * (A(1) + A(3.0 * PNN_GELU_C) * z * z);
         }
         case PNN_ACT_SILU: { A s = sigmoid(z); return s * (A(1) + z * (A(1) - s)); }
+        case PNN_ACT_HARDSWISH: return z <= A(-3) ? A(0) : (z < A(3) ? z / A(3) + A(0.5) : A(1));
+        case PNN_ACT_HARDSIGMOID: return (z > A(-3) && z < A(3)) ? A(1.0 / 6.0) : A(0);
+        case PNN_ACT_RELU6: return (z <= A(0) || z >= A(6)) ? A(0) : A(1);
+        case PNN_ACT_MISH: { A t, dt; pnn_tanh_softplus(z, t, dt); return t + z * sigmoid(z) * dt; }
+        case PNN_ACT_ELU: return z <= A(0) ? slope * pnn_exp(z) : A(1);
         default: return z > A(0) ? A(1) : slope;  // PNN_ACT_LEAKY_RELU
     }
 }

@@ -1,10 +1,12 @@
 """Activations as CUDA device functions selected by a runtime code.
 
 Codes are the names of :mod:`portable_nn.kernel_codes` (identity 0, relu 1, sigmoid 2,
-tanh 3, gelu 4, gelu_tanh 5, silu 6, leaky_relu 7), so one compiled kernel serves every
-activation.  Constants take the argument's type (:func:`~._runtime.cast_as`): with a float32
-argument (float32 and half-precision data) everything stays in float32 (``expf``/``erff``/
-``tanhf`` from libdevice), with a float64 argument it is float64 throughout.  Callers pass
+tanh 3, gelu 4, gelu_tanh 5, silu 6, leaky_relu 7, hardswish 8, hardsigmoid 9, relu6 10,
+mish 11, elu 12), so one compiled kernel serves every activation; ``slope`` is the one
+parameter (leaky_relu's slope, elu's alpha).  Constants take the argument's type
+(:func:`~._runtime.cast_as`): with a float32 argument (float32 and half-precision data)
+everything stays in float32 (``expf``/``erff``/``tanhf`` from libdevice), with a float64
+argument it is float64 throughout.  Callers pass
 ``slope`` in the compute type.
 """
 
@@ -12,7 +14,20 @@ from __future__ import annotations
 
 import math
 
-from portable_nn.kernel_codes import GELU, GELU_TANH, IDENTITY, RELU, SIGMOID, SILU, TANH
+from portable_nn.kernel_codes import (
+    ELU,
+    GELU,
+    GELU_TANH,
+    HARDSIGMOID,
+    HARDSWISH,
+    IDENTITY,
+    MISH,
+    RELU,
+    RELU6,
+    SIGMOID,
+    SILU,
+    TANH,
+)
 
 from ._runtime import cast_as, device
 
@@ -20,6 +35,8 @@ _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _GELU_K = math.sqrt(2.0 / math.pi)
 _GELU_C = 0.044715
+# mish: from z = 40 on, tanh(softplus(z)) = 1 and z · (1 − tanh²) < 1e-32 (portable_nn/reference/activations.py)
+_MISH_CLIP = 40.0
 
 
 @device
@@ -34,8 +51,32 @@ def sigmoid(z):
 
 
 @device
+def clip06(v):
+    """min(max(v, 0), 6), NaN kept."""
+    zero_ = cast_as(v, 0.0)
+    six_ = cast_as(v, 6.0)
+    v = zero_ if v < zero_ else v
+    return six_ if v > six_ else v
+
+
+@device
+def tanh_softplus(z):
+    """(tanh(softplus(z)), 1 − tanh²(softplus(z))) from n = e^z: u / (u + 2) and 4(u + 1) / (u + 2)²,
+    u = n(n + 2), neither a difference; the second is 0 from the clip on."""
+    clip_ = cast_as(z, _MISH_CLIP)
+    one_ = cast_as(z, 1.0)
+    two_ = cast_as(z, 2.0)
+    below = z < clip_
+    n = math.exp(z if below else clip_)
+    u = n * (n + two_)
+    d = u + two_
+    dt = cast_as(z, 4.0) * (u + one_) / (d * d) if below else cast_as(z, 0.0)
+    return u / d, dt
+
+
+@device
 def act(z, code, slope):
-    """act(z) for the activation ``code`` (``slope``: leaky_relu's negative slope)."""
+    """act(z) for the activation ``code`` (``slope``: leaky_relu's negative slope or elu's alpha)."""
     zero_ = cast_as(z, 0.0)
     one_ = cast_as(z, 1.0)
     half_ = cast_as(z, 0.5)
@@ -55,12 +96,23 @@ def act(z, code, slope):
         return half_ * z * (one_ + math.tanh(k_ * (z + c_ * z * z * z)))
     if code == SILU:
         return z * sigmoid(z)
+    if code == HARDSWISH:
+        return z * clip06(z + cast_as(z, 3.0)) / cast_as(z, 6.0)
+    if code == HARDSIGMOID:
+        return clip06(z + cast_as(z, 3.0)) / cast_as(z, 6.0)
+    if code == RELU6:
+        return clip06(z)
+    if code == MISH:
+        return z * tanh_softplus(z)[0]
+    if code == ELU:
+        return slope * math.expm1(z) if z <= zero_ else z
     return z if z > zero_ else slope * z
 
 
 @device
 def act_grad(z, code, slope):
-    """act'(z), with PyTorch's values at kinks (relu'(0) = 0, leaky_relu'(0) = slope)."""
+    """act'(z), with PyTorch's values at kinks (relu'(0) = 0, leaky_relu'(0) = slope, the others as
+    :data:`portable_nn.ACTIVATIONS` lists them)."""
     zero_ = cast_as(z, 0.0)
     one_ = cast_as(z, 1.0)
     half_ = cast_as(z, 0.5)
@@ -86,6 +138,19 @@ def act_grad(z, code, slope):
     if code == SILU:
         s = sigmoid(z)
         return s * (one_ + z * (one_ - s))
+    if code == HARDSWISH:  # PyTorch's pieces; NaN passes the gradient, as there
+        if z <= -three_:
+            return zero_
+        return z / three_ + half_ if z < three_ else one_
+    if code == HARDSIGMOID:
+        return cast_as(z, 1.0 / 6.0) if z > -three_ and z < three_ else zero_
+    if code == RELU6:
+        return zero_ if z <= zero_ or z >= cast_as(z, 6.0) else one_
+    if code == MISH:
+        t, dt = tanh_softplus(z)
+        return t + z * sigmoid(z) * dt
+    if code == ELU:
+        return slope * math.exp(z) if z <= zero_ else one_
     return one_ + zero_ * z if z > zero_ else slope + zero_ * z
 
 

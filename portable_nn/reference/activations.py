@@ -69,11 +69,45 @@ def apply(xp: Any, z: Any, act: Activation) -> Any:
         return z * sigmoid(xp, z)
     if name == "leaky_relu":
         return xp.where(z > 0, z, act.slope * z)
+    if name == "hardswish":
+        return z * _clip06(xp, z + 3.0) / 6.0
+    if name == "hardsigmoid":
+        return _clip06(xp, z + 3.0) / 6.0
+    if name == "relu6":
+        return _clip06(xp, z)
+    if name == "mish":
+        return z * _tanh_softplus(xp, z)[0]
+    if name == "elu":
+        return xp.where(z <= 0, act.slope * xp.expm1(xp.minimum(z, xp.zeros_like(z))), z)
     raise AssertionError(name)  # pragma: no cover - parse_activation rules this out
 
 
+def _clip06(xp: Any, v: Any) -> Any:
+    """min(max(v, 0), 6), NaN kept (a select on ``v < 0`` and ``v > 6``, not ``minimum``/``maximum``,
+    whose NaN handling the array API leaves open)."""
+    v = xp.where(v < 0, xp.zeros_like(v), v)
+    return xp.where(v > 6, xp.full_like(v, 6.0), v)
+
+
+# From z = 40, tanh(softplus(z)) = 1 and z · (1 − tanh²) < 1e-32 in double precision; clipping there
+# keeps e^(2z) finite (the 1 − tanh² of the clipped z is then taken as 0: mish'(∞) = 1 + ∞ · 0 = NaN,
+# as in PyTorch).
+_MISH_CLIP = 40.0
+
+
+def _tanh_softplus(xp: Any, z: Any) -> tuple[Any, Any]:
+    """(tanh(softplus(z)), 1 − tanh²(softplus(z))) from n = e^z alone: with u = n(n + 2),
+    tanh(log(1 + n)) = u / (u + 2) and 1 − tanh² = 4(u + 1) / (u + 2)², neither a difference."""
+    below = z < _MISH_CLIP
+    n = xp.exp(xp.where(below, z, xp.full_like(z, _MISH_CLIP)))
+    u = n * (n + 2.0)
+    d = u + 2.0
+    return u / d, xp.where(below, 4.0 * (u + 1.0) / (d * d), xp.zeros_like(z))
+
+
 def derivative(xp: Any, z: Any, act: Activation) -> Any:
-    """act'(z), matching PyTorch's choice at kinks (relu'(0) = 0, leaky_relu'(0) = slope)."""
+    """act'(z), matching PyTorch's choice at kinks (relu'(0) = 0, leaky_relu'(0) = slope; the others
+    are listed at :data:`portable_nn.ACTIVATIONS`)."""
     name = act.name
     if name == "identity":
         return xp.ones_like(z)
@@ -98,6 +132,22 @@ def derivative(xp: Any, z: Any, act: Activation) -> Any:
         return s * (1.0 + z * (1.0 - s))
     if name == "leaky_relu":
         return xp.where(z > 0, xp.ones_like(z), xp.full_like(z, act.slope))
+    zeros = xp.zeros_like(z)
+    # The pieces below are PyTorch's, NaN included (its backward passes the gradient where no
+    # comparison holds).
+    if name == "hardswish":  # 0 up to −3 included, z/3 + ½ below 3, 1 from 3
+        middle = z / 3.0 + 0.5
+        return xp.where(z <= -3.0, zeros, xp.where(z < 3.0, middle, xp.ones_like(z)))
+    if name == "hardsigmoid":  # 1/6 of the dtype (PyTorch multiplies by 1/6 rounded to float32)
+        inside = (z > -3.0) & (z < 3.0)
+        return xp.where(inside, xp.full_like(z, 1.0 / 6.0), zeros)
+    if name == "relu6":
+        return xp.where((z <= 0) | (z >= 6), zeros, xp.ones_like(z))
+    if name == "mish":
+        t, dt = _tanh_softplus(xp, z)
+        return t + z * sigmoid(xp, z) * dt
+    if name == "elu":
+        return xp.where(z <= 0, act.slope * xp.exp(xp.minimum(z, zeros)), xp.ones_like(z))
     raise AssertionError(name)  # pragma: no cover
 
 

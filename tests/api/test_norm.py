@@ -39,22 +39,13 @@ from pnn_testing import (
 )
 from portable_nn import dispatch
 from portable_nn.api._common import spec_of
+from torch_oracle import TORCH_ACT, activation_arg
 
 NORM_OPS = ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm")
 HALF = ("float16", "bfloat16")
 
 #: Grid name -> (pnn ``activation=`` argument, the same activation in PyTorch).
-ACTIVATIONS = {
-    "identity": ("identity", lambda t: t),
-    "relu": ("relu", F.relu),
-    "sigmoid": ("sigmoid", torch.sigmoid),
-    "tanh": ("tanh", torch.tanh),
-    "gelu": ("gelu", F.gelu),
-    "gelu_tanh": ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh")),
-    "silu": ("silu", F.silu),
-    "leaky_relu": ("leaky_relu", lambda t: F.leaky_relu(t, 0.01)),
-    "leaky_relu(0.2)": (("leaky_relu", 0.2), lambda t: F.leaky_relu(t, 0.2)),
-}
+ACTIVATIONS = {label: (activation_arg(label), fn) for label, fn in TORCH_ACT.items() if label != "leaky_relu(-0.3)"}
 
 #: Grid name -> (weight given, bias given, ``wrt``).
 PARAMS = {
@@ -501,7 +492,7 @@ def test_rms_norm_over_any_axes_matches_torch(case, cfg):
 
 
 #: Inputs of 48·24·30 = 34560 elements: above the Numba kernels' PARALLEL_MIN_ELEMENTS (2**15),
-#: so their parallel forward and chunked backward run (float32, as in tests/kernels/cpu/test_norm.py).
+#: so their parallel forward and chunked backward run (float32, as in tests/kernel_packages/cpu/test_norm.py).
 _LARGE = [
     ("batch_norm", {"channel_axis": 1, "mode": "running", "activation": "gelu"}),
     ("batch_norm", {"channel_axis": -1, "mode": "return_stats", "params": "w"}),

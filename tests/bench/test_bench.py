@@ -20,6 +20,7 @@ from portable_nn.bench import run_mixed_section, run_user_suite, settings_for, s
 from portable_nn.bench.environment import (
     ISA_SETTINGS,
     TUNED_SETTINGS,
+    TUNING_VARIABLES,
     reported_variables,
     tuned_environment,
     user_environment,
@@ -135,6 +136,9 @@ def test_command_line_modes():
 
 
 def test_isolated_runner_on_one_cheap_workload(monkeypatch):
+    # this test's environment, whatever the machine's (some set OPENBLAS_CORETYPE for everyone)
+    for name in TUNING_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("OPENBLAS_THREAD_TIMEOUT", "4")
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
     settings = settings_for("user", ops=["log_softmax"], rounds=1, repeats=2, burst_s=0.002, quick=True,

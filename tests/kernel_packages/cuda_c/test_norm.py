@@ -91,6 +91,16 @@ def norm_specs():
          {"channel_axis": -1}),
         ("group-nhwc-vectors", "group_norm", (r.standard_normal((2, 3, 4, 16)), 2, r.standard_normal(16), None),
          {"channel_axis": -1, "activation": "tanh"}),
+        # the activations added with MobileNetV3 and YOLO in mind, one each
+        ("layer-hardswish", "layer_norm", (x3 * 3, r.standard_normal(10), r.standard_normal(10)),
+         {"activation": "hardswish"}),
+        ("layer-elu", "layer_norm", (x3, None, r.standard_normal(10)), {"activation": ("elu", 0.5)}),
+        ("batch-nc-mish", "batch_norm", (r.standard_normal((40, 5)), r.standard_normal(5), None),
+         {"activation": "mish"}),
+        ("group-nhwc-relu6", "group_norm", (r.standard_normal((2, 4, 5, 6)) * 4, 2, c6 * 4, c6 + 3),
+         {"channel_axis": -1, "activation": "relu6"}),
+        ("instance-nchw-hardsigmoid", "instance_norm", (x4, r.standard_normal(4) * 3, None),
+         {"activation": "hardsigmoid"}),
         ("instance-infer", "instance_norm", (x4, None, None),
          {"running_mean": r.standard_normal(4), "running_var": r.random(4) + 0.5, "use_input_stats": False}),
     ]

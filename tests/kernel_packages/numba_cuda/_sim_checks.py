@@ -1,13 +1,13 @@
 """Numba-CUDA kernels in Numba's CUDA simulator, against the reference implementation.
 
-Run as a script in a subprocess with ``NUMBA_ENABLE_CUDASIM=1`` (``tests/kernels/numba_cuda/test_runtime.py``
+Run as a script in a subprocess with ``NUMBA_ENABLE_CUDASIM=1`` (``tests/kernel_packages/numba_cuda/test_runtime.py``
 does); prints one JSON object per case: ``{"id", "errors": {output: relative error}, "tol",
 "paths"}``.  Each case runs the whole host path — launchers, kernels and (for the GEMM-based ops)
 the array-module matrix products — on NumPy arrays, with tiny block sizes and chunk limits so
 multi-block reductions and second passes run, and compares every output and gradient with
 ``portable_nn.reference``.  ``CASES`` (ids) is importable without the simulator.
 
-``python tests/kernels/numba_cuda/_sim_checks.py [substring ...]`` runs the cases whose id contains one of
+``python tests/kernel_packages/numba_cuda/_sim_checks.py [substring ...]`` runs the cases whose id contains one of
 the substrings (all without arguments).
 """
 
@@ -145,6 +145,16 @@ def _norm_cases():
                                            r.standard_normal(4)), {"activation": "gelu_tanh"}),
         "group_norm-nhwc": ("group_norm", (r.standard_normal((2, 3, 6)), 3, r.standard_normal(6),
                                            r.standard_normal(6)), {"channel_axis": -1}),
+        "layer_norm-hardswish": ("layer_norm", (r.standard_normal((2, 9)), r.standard_normal(9) * 3, None),
+                                 {"activation": "hardswish"}),
+        "layer_norm-hardsigmoid": ("layer_norm", (r.standard_normal((2, 9)), r.standard_normal(9) * 3, None),
+                                   {"activation": "hardsigmoid"}),
+        "layer_norm-relu6": ("layer_norm", (r.standard_normal((2, 9)), r.standard_normal(9) * 4,
+                                            r.standard_normal(9) + 3), {"activation": "relu6"}),
+        "layer_norm-mish": ("layer_norm", (r.standard_normal((2, 9)), r.standard_normal(9), None),
+                            {"activation": "mish"}),
+        "layer_norm-elu": ("layer_norm", (r.standard_normal((2, 9)), r.standard_normal(9), None),
+                           {"activation": ("elu", 0.5)}),
         "instance_norm-ncl-running": ("instance_norm", (r.standard_normal((2, 3, 5)), r.standard_normal(3),
                                                         r.standard_normal(3)),
                                       {"running_mean": r.standard_normal(3), "running_var": r.random(3) + 0.5}),

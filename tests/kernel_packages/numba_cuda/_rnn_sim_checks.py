@@ -1,6 +1,6 @@
 """Numba-CUDA recurrent kernels in Numba's CUDA simulator, through dispatch, against the reference.
 
-Run as a script in a subprocess with ``NUMBA_ENABLE_CUDASIM=1`` (``tests/kernels/numba_cuda/test_rnn.py``
+Run as a script in a subprocess with ``NUMBA_ENABLE_CUDASIM=1`` (``tests/kernel_packages/numba_cuda/test_rnn.py``
 does); prints one JSON object per case: ``{"id", "errors": {output or gradient: relative error},
 "tol"}``.  Under the simulator the kernels take NumPy arrays, so the module's ``cell_*``/``sequence_*``
 functions are registered with :func:`portable_nn.register_kernel` under the backend name
@@ -11,7 +11,7 @@ cotangent handling (``None`` cotangents, ``out=`` buffers) all run.  Launch sett
 (8-thread blocks, 4×4 column tiles, many row chunks) so the grid-stride and multi-chunk paths run.
 The oracle is ``portable_nn.reference`` in float64 on the same (rounded) values.
 
-``python tests/kernels/numba_cuda/_rnn_sim_checks.py [substring ...]`` runs the matching cases (all without
+``python tests/kernel_packages/numba_cuda/_rnn_sim_checks.py [substring ...]`` runs the matching cases (all without
 arguments).  ``CASES`` (ids) is importable without the simulator.
 """
 

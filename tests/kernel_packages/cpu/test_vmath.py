@@ -123,11 +123,27 @@ def _accurate(name, z):
         return z * expit(v), expit(v) + z * expit(v) * expit(-v) * 2 * k * (1 + 3 * c * z * z)
     if name == "silu":
         return z * expit(z), expit(z) + z * expit(z) * expit(-z)
+    if name in ("hardswish", "hardsigmoid", "relu6"):
+        inner = np.clip(z + (0.0 if name == "relu6" else 3.0), 0.0, 6.0)
+        if name == "relu6":
+            return inner, np.where((z > 0) & (z < 6), 1.0, 0.0)
+        if name == "hardsigmoid":
+            return inner / 6, np.where((z > -3) & (z < 3), 1 / 6, 0.0)
+        return z * inner / 6, np.where(z <= -3, 0.0, np.where(z < 3, z / 3 + 0.5, 1.0))
+    if name == "mish":
+        softplus = np.logaddexp(0.0, z)
+        with np.errstate(over="ignore"):
+            return z * np.tanh(softplus), np.tanh(softplus) + z * expit(z) / np.cosh(softplus) ** 2
+    if name == "elu":
+        return np.where(z > 0, z, np.expm1(np.minimum(z, 0.0))), np.where(z > 0, 1.0, np.exp(np.minimum(z, 0.0)))
     slope = 0.01 if name == "leaky_relu" else 0.0
     return np.where(z > 0, z, slope * z), np.where(z > 0, 1.0, slope)
 
 
-ROW_ACTIVATIONS = ["sigmoid", "tanh", "gelu", "gelu_tanh", "silu", "relu", "leaky_relu"]
+ROW_ACTIVATIONS = ["sigmoid", "tanh", "gelu", "gelu_tanh", "silu", "relu", "leaky_relu", "hardswish", "hardsigmoid",
+                   "relu6", "mish", "elu"]
+#: The parameter the row tests pass: leaky_relu's slope, elu's alpha (ignored by the others).
+_PARAM = {"elu": 1.0}
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
@@ -138,10 +154,11 @@ def test_rows_match_float64_activations(name, dtype):
     rng = np.random.default_rng(1)
     z = np.concatenate([np.linspace(-40, 40, 40001), rng.standard_normal(20000) * 3]).astype(dtype)
     code = ACTIVATION_CODES[name]
+    param = _PARAM.get(name, 0.01)
     y = z.copy()
-    acts.act_row(y, code, 0.01)
+    acts.act_row(y, code, param)
     g = np.ones_like(z)
-    acts.act_grad_row(z, g, code, 0.01)
+    acts.act_grad_row(z, g, code, param)
     ry, rg = _accurate(name, z.astype(np.float64))
     eps = float(np.finfo(dtype).eps)
     for what, got, ref in (("act", y, ry), ("act'", g, rg)):
@@ -151,7 +168,7 @@ def test_rows_match_float64_activations(name, dtype):
         assert err[worst] <= bound[worst], f"{name} {what}({z[worst]!r}) = {got[worst]!r}, expected {ref[worst]!r}"
     # the libm path (float64) agrees to its own accuracy
     ly, lg = np.empty(z.size), np.empty(z.size)
-    _libm_rows(z, ly, lg, code, 0.01)
+    _libm_rows(z, ly, lg, code, param)
     scale = max(1.0, float(np.max(np.abs(ly))))
     assert np.max(np.abs(y - ly)) <= 1e-6 * scale if dtype == np.float32 else 1e-14 * scale
 
@@ -168,18 +185,21 @@ def test_grad_from_output_rows(name):
     np.testing.assert_allclose(g, 2.0 * rg, rtol=1e-12, atol=1e-15)
 
 
-@pytest.mark.parametrize("name", ["sigmoid", "tanh", "gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("name", ["sigmoid", "tanh", "gelu", "gelu_tanh", "silu", "hardswish", "hardsigmoid", "relu6",
+                                  "mish", "elu"])
 def test_row_special_values_are_those_of_the_scalar_functions(name):
     """NaN propagates; ±∞ as act/act_grad give them (silu(−∞) and gelu(−∞) are NaN there, as in PyTorch)."""
     code = ACTIVATION_CODES[name]
     for dtype in (np.float32, np.float64):
-        z = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0], dtype)
+        kinks = [-3.0, 3.0, 6.0] if name in ("hardswish", "hardsigmoid", "relu6") else []
+        z = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, *kinks], dtype)
+        param = _PARAM.get(name, 0.0)
         y = z.copy()
-        acts.act_row(y, code, 0.0)
+        acts.act_row(y, code, param)
         g = np.ones_like(z)
-        acts.act_grad_row(z, g, code, 0.0)
-        ey = np.array([acts.act(float(v), code, 0.0) for v in z], dtype)
-        eg = np.array([acts.act_grad(float(v), code, 0.0) for v in z], dtype)
+        acts.act_grad_row(z, g, code, param)
+        ey = np.array([acts.act(float(v), code, param) for v in z], dtype)
+        eg = np.array([acts.act_grad(float(v), code, param) for v in z], dtype)
         np.testing.assert_array_equal(y, ey, err_msg=f"{name} {dtype}")
         np.testing.assert_array_equal(g, eg, err_msg=f"{name}' {dtype}")
         assert np.array_equal(np.signbit(y[3:]), np.signbit(ey[3:])), name
@@ -199,6 +219,7 @@ def test_rows_are_vectorised_without_libm_calls():
             if "float32" not in str(sig):
                 continue
             calls = set(re.findall(r"call [^@]*@([\w.]+)", ir))
-            assert not calls & {"exp", "expf", "erf", "erff", "erfc", "erfcf", "tanh", "tanhf"}, calls
+            libm = {"exp", "expf", "erf", "erff", "erfc", "erfcf", "tanh", "tanhf", "expm1", "expm1f"}
+            assert not calls & libm, calls
             if features.get("avx2"):
                 assert "<8 x float>" in ir
