@@ -282,6 +282,33 @@ def test_an_input_modified_in_place_after_the_forward_is_refused(make, eager, mo
         y.sum().backward()
 
 
+@pytest.mark.parametrize("cls", [pnt.LSTM, pnt.GRU], ids=["LSTM", "GRU"])
+def test_sequence_ops_take_the_eager_path_with_their_weight_lists(cls, monkeypatch):
+    """The sequence ops take their weights as lists, which autograd.Function cannot see inside a list:
+    the eager path spreads them into its arguments.  Same values and gradients as the custom op
+    (bitwise: the same kernels), only the gradients autograd asks for (a frozen layer, no biases), and
+    autograd's version check on a weight changed in place."""
+    torch.manual_seed(0)
+    module = cls(4, 3, num_layers=2, bidirectional=True, bias=False).double()
+    module.weight_ih_l0.requires_grad_(False)
+    x = _t(5, 2, 4)
+    results = []
+    for eager in (True, False):
+        monkeypatch.setattr(adapter_ops, "EAGER_PATH", eager)
+        out, _ = module(x)
+        assert adapter_ops.is_eager_node(out.grad_fn) == eager
+        params = [p for p in module.parameters() if p.requires_grad]
+        results.append([out, *torch.autograd.grad((out * out).sum(), [x, *params])])
+    for a, e in zip(*results):
+        assert torch.equal(a, e)
+    monkeypatch.setattr(adapter_ops, "EAGER_PATH", True)
+    out, _ = module(x)
+    with torch.no_grad():
+        module.weight_hh_l1_reverse.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
 def test_eager_calls_on_pytorch_s_own_kernels_are_recorded_by_autograd():
     """conv, conv_transpose and dense calls that run on ``aten`` go straight to torch's autograd (its
     own backward nodes, no pullback kept), with torch's values and gradients; channels last and

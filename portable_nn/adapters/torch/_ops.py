@@ -20,6 +20,7 @@ from ... import backends, dispatch
 from ...api._common import spec_of
 from ...api.activations import ActivationLike, parse_activation
 from ...autodiff import vjp
+from ...kernel_codes import PARAMETER_DEFAULTS
 
 NAMESPACE = "portable_nn"
 
@@ -523,9 +524,9 @@ def _wrt_mask(op: _OpDef, args: Sequence[Any]) -> list[bool] | None:
 # eager mode, which is where nearly every training loop runs, an op therefore goes through a
 # plain ``torch.autograd.Function`` that keeps the pullback itself.  The custom ops stay what
 # ``torch.compile``, FX, fake tensors and functorch transforms see: the eager path is taken only
-# for plain tensors, outside compilation and functorch transforms, and for ops whose tensors are
-# all direct arguments (the sequence ops take lists of weights, which autograd.Function cannot
-# see, and keep the custom op).
+# for plain tensors, outside compilation and functorch transforms.  The sequence ops take lists of
+# weights, which autograd.Function does not see inside a list: their tensors are spread into its
+# arguments (_spread).
 
 
 #: Ops whose ``aten`` implementation (PyTorch's own kernels, called as torch ops) autograd
@@ -586,14 +587,64 @@ def _recorded_by_torch(op: _OpDef, args: Sequence[Any]) -> tuple[Tensor, ...] | 
 
 
 def _plain_tensors(op: _OpDef, args: Sequence[Any]) -> bool:
-    """Whether every tensor argument is a plain (or Parameter) tensor and none is a list."""
+    """Whether every tensor argument (each tensor of a list argument) is a plain (or Parameter) tensor."""
+    plain = (Tensor, nn.Parameter)
     for name, value in zip(op.arg_names, args):
         is_list = op.tensor_args_by_name.get(name)
         if is_list is None or value is None:
             continue
-        if is_list or type(value) not in (Tensor, nn.Parameter):
+        if is_list:
+            if not all(type(t) in plain for t in value):
+                return False
+        elif type(value) not in plain:
             return False
     return True
+
+
+def _spread(op: _OpDef, args: Sequence[Any]) -> tuple[tuple[int, ...] | None, tuple[Any, ...]]:
+    """The arguments with each list argument's tensors spread in its place (autograd.Function sees
+    only direct tensor arguments), and the lists' lengths (−1 for an argument that is not a list);
+    ``(None, args)`` for an op without list arguments."""
+    if not op.has_list_tensors:
+        return None, tuple(args)
+    lengths: list[int] = []
+    flat: list[Any] = []
+    for name, value in zip(op.arg_names, args):
+        if op.tensor_args_by_name.get(name) and value is not None:
+            lengths.append(len(value))
+            flat.extend(value)
+        else:
+            lengths.append(-1)
+            flat.append(value)
+    return tuple(lengths), tuple(flat)
+
+
+def _gathered(lengths: tuple[int, ...] | None, flat: Sequence[Any]) -> list[Any]:
+    """The inverse of :func:`_spread`: the arguments, list arguments as lists; each argument's
+    first position in ``flat`` is ``starts[k]`` of :func:`_starts`."""
+    if lengths is None:
+        return list(flat)
+    args: list[Any] = []
+    at = 0
+    for n in lengths:
+        if n < 0:
+            args.append(flat[at])
+            at += 1
+        else:
+            args.append(list(flat[at : at + n]))
+            at += n
+    return args
+
+
+def _starts(lengths: tuple[int, ...] | None, count: int) -> list[int]:
+    """Each argument's first position among the spread arguments (see :func:`_spread`)."""
+    if lengths is None:
+        return list(range(count))
+    starts, at = [], 0
+    for n in lengths:
+        starts.append(at)
+        at += 1 if n < 0 else n
+    return starts
 
 
 #: Whether eligible eager calls bypass the custom ops (see the section comment).  ``False`` sends
@@ -603,7 +654,7 @@ EAGER_PATH = True
 
 def _eager(op: _OpDef, args: Sequence[Any]) -> bool:
     """Whether a call may take the eager path (see the section comment)."""
-    if not EAGER_PATH or op.has_list_tensors or torch.compiler.is_compiling():
+    if not EAGER_PATH or torch.compiler.is_compiling():
         return False
     if torch._C._are_functorch_transforms_active():
         return False
@@ -613,16 +664,20 @@ def _eager(op: _OpDef, args: Sequence[Any]) -> bool:
 class _EagerFullOp(torch.autograd.Function):
     """One portable_nn op under autograd without the custom-op machinery: the forward runs
     ``pnn.vjp`` for the fields autograd will want, the backward calls the kept pullback (or, under
-    ``create_graph=True``, differentiates the reference: see the higher-order section)."""
+    ``create_graph=True``, differentiates the reference: see the higher-order section).
+
+    ``apply(op, lengths, *flat)``: the arguments as :func:`_spread` gives them, the tensors of a
+    list argument (the sequence ops' weights) spread in its place, so that autograd sees each."""
 
     @staticmethod
-    def forward(ctx: Any, op: _OpDef, *args: Any) -> Any:
+    def forward(ctx: Any, op: _OpDef, lengths: tuple[int, ...] | None, *flat: Any) -> Any:
+        args = _gathered(lengths, flat)
         bound = _detached(op.bind(args))
-        flags = dict(zip(op.arg_names, ctx.needs_input_grad[1:]))
-        want = frozenset(op.field_of[n] for n, _ in op.tensor_args if n in op.field_of and flags.get(n))
+        flags = _flags(op, lengths, ctx.needs_input_grad[2:], len(flat))
+        want = frozenset(op.field_of[n] for n, _ in op.tensor_args if n in op.field_of and any(flags.get(n, ())))
         want &= op.available(op, bound)
         pargs, pkwargs = op.to_pnn(bound, False)
-        ctx.pnn_op, ctx.pnn_want = op, want
+        ctx.pnn_op, ctx.pnn_want, ctx.pnn_lengths = op, want, lengths
         ctx.pnn_given = [name for name, _ in op.tensor_args if bound.get(name) is not None]
         if want:
             result, pullback = vjp(op.fn, *pargs, wrt=tuple(f for f in op.fields if f in want), **pkwargs)
@@ -642,40 +697,82 @@ class _EagerFullOp(torch.autograd.Function):
         # them in place next, which autograd would report as a modified saved tensor).
         unsaved = op.unsaved(bound, outputs)
         ctx.pnn_kept = [name for name in ctx.pnn_given if name not in unsaved]
-        ctx.pnn_static = tuple(None if isinstance(a, Tensor) else a for a in args)
-        ctx.save_for_backward(handle, *(args[op.position[name]] for name in ctx.pnn_kept))
+        ctx.pnn_static = tuple(None if isinstance(a, (Tensor, list)) else a for a in args)
+        saved = [handle]
+        for name in ctx.pnn_kept:
+            value = args[op.position[name]]
+            saved.extend(value if isinstance(value, list) else (value,))
+        ctx.save_for_backward(*saved)
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
-        op = ctx.pnn_op
+        op, lengths = ctx.pnn_op, ctx.pnn_lengths
         position = op.position
+        count = len(ctx.needs_input_grad) - 2
+        flags = _flags(op, lengths, ctx.needs_input_grad[2:], count)
         for name in ctx.pnn_given:
-            if name not in op.field_of and ctx.needs_input_grad[1 + position[name]]:
+            if name not in op.field_of and any(flags.get(name, ())):
                 # As PyTorch does for F.cross_entropy's class weights: refuse rather than return a zero gradient.
                 raise NotImplementedError(f"{op.name}: the derivative with respect to {name!r} is not implemented")
-        result: list[Any] = [None] * (1 + len(op.arg_names))
+        result: list[Any] = [None] * (2 + count)
         if not ctx.pnn_want:
             return tuple(result)
         handle, *kept = ctx.saved_tensors
-        wanted = [name for name in ctx.pnn_given
-                  if op.field_of.get(name) in ctx.pnn_want and ctx.needs_input_grad[1 + position[name]]]
+        wanted = [name for name in ctx.pnn_given if op.field_of.get(name) in ctx.pnn_want and any(flags[name])]
+        starts = _starts(lengths, count)
         if torch.is_grad_enabled():  # create_graph=True: differentiable gradients (see the higher-order section)
             bound = dict(zip(op.arg_names, ctx.pnn_static))
-            bound.update(zip(ctx.pnn_kept, kept))
-            computed = _differentiable_grads(op, bound, grads[: op.n_diff], dict.fromkeys(wanted, True))
-            for name in wanted:
-                result[1 + position[name]] = computed.get(name)
+            at = 0
+            for name in ctx.pnn_kept:
+                n = lengths[position[name]] if lengths is not None else -1
+                bound[name] = kept[at] if n < 0 else list(kept[at : at + n])
+                at += 1 if n < 0 else n
+            computed = _differentiable_grads(op, bound, grads[: op.n_diff],
+                                             {name: flags[name] if lengths and lengths[position[name]] >= 0 else True
+                                              for name in wanted})
+            _place(result, starts, position, wanted, computed.get)
             return tuple(result)
         entry = _saved.get(int(handle))
         if entry is None:
             raise RuntimeError(f"portable_nn: the saved state of {op.name} is gone (its backward already ran "
                                "without retain_graph=True)")
         computed = entry.pullback(op.nest(list(grads[: op.n_diff])))
-        for name in wanted:
-            # Contiguous, as the custom op's gradients are (and as its fake implementation says).
-            result[1 + position[name]] = op.grad_of(name, op.field_of[name], computed).contiguous()
+        # Contiguous, as the custom op's gradients are (and as its fake implementation says).
+        _place(result, starts, position, wanted,
+               lambda name: _contiguous(op.grad_of(name, op.field_of[name], computed)))
         return tuple(result)
+
+
+def _flags(op: _OpDef, lengths: tuple[int, ...] | None, needs: Sequence[bool], count: int) -> dict[str, Any]:
+    """Whether autograd wants each tensor argument's gradient: ``(flag,)`` for a tensor, one flag per
+    tensor for a list argument (``needs``: autograd's flags for the spread arguments)."""
+    starts = _starts(lengths, count)
+    result: dict[str, Any] = {}
+    for name, _ in op.tensor_args:
+        k = op.position[name]
+        n = -1 if lengths is None else lengths[k]
+        result[name] = tuple(needs[starts[k] : starts[k] + n]) if n >= 0 else (needs[starts[k]],)
+    return result
+
+
+def _contiguous(grad: Any) -> Any:
+    if isinstance(grad, list):
+        return [None if g is None else g.contiguous() for g in grad]
+    return None if grad is None else grad.contiguous()
+
+
+def _place(result: list[Any], starts: list[int], position: dict[str, int], names: Sequence[str],
+           gradient: Callable[[str], Any]) -> None:
+    """Write each named argument's gradient (a list for a list argument) at its spread positions of
+    ``result``, whose first two entries are ``apply``'s op and lengths."""
+    for name in names:
+        grad = gradient(name)
+        at = 2 + starts[position[name]]
+        if isinstance(grad, (list, tuple)):
+            result[at : at + len(grad)] = grad
+        else:
+            result[at] = grad
 
 
 #: The autograd nodes of the eager path: the fast path's (``_fast._EagerOp``) and, for signatures
@@ -694,7 +791,10 @@ def _call(name: str, *args: Any) -> tuple[Tensor, ...]:
     op = _OPS[name]
     if _eager(op, args):
         recorded = _recorded_by_torch(op, args)
-        return recorded if recorded is not None else tuple(_EagerFullOp.apply(op, *args))
+        if recorded is not None:
+            return recorded
+        lengths, flat = _spread(op, args)
+        return tuple(_EagerFullOp.apply(op, lengths, *flat))
     result = getattr(torch.ops.portable_nn, name)(*args, _wrt_mask(op, args))
     return tuple(result[:-1])
 
@@ -703,13 +803,14 @@ def _call(name: str, *args: Any) -> tuple[Tensor, ...]:
 
 
 def _act(activation: ActivationLike) -> tuple[str, float]:
-    """An ``activation=`` argument as (name, slope) for a schema."""
+    """An ``activation=`` argument as (name, parameter) for a schema (the parameter: leaky_relu's slope,
+    elu's alpha, ignored by the others)."""
     parsed = parse_activation(activation)
     return parsed.name, float(parsed.slope)
 
 
 def _act_arg(name: str, slope: float) -> Any:
-    return ("leaky_relu", slope) if name == "leaky_relu" else name
+    return (name, slope) if name in PARAMETER_DEFAULTS else name
 
 
 def _ints(value: Any, name: str) -> list[int]:
