@@ -27,11 +27,18 @@ _ERF_TERMS = 110
 
 
 def erf(xp: Any, x: Any) -> Any:
-    """erf(x) from the all-positive series erf(x) = 2/√π·e^{-x²}·Σ (2x²)ⁿ x / (2n+1)!!.
+    """erf(x): the library's own where it has one (JAX, PyTorch), else the all-positive series
+    erf(x) = 2/√π·e^{-x²}·Σ (2x²)ⁿ x / (2n+1)!!.
 
-    Every term is positive, so there is no cancellation: the relative error is a
-    few ulp for |x| <= 6 (beyond that erf is ±1 in double precision).
+    Every term of the series is positive, so there is no cancellation: the relative error is a few
+    ulp for |x| <= 6 (beyond that erf is ±1 in double precision).  Its 110 terms are 110 array
+    operations, though: traced by XLA, a (4096, 1024) layer_norm + gelu training step compiled to
+    1,480 jaxpr lines and ran 908 ms against 378 ms with ``jax.nn.gelu`` (2-core Zen 3) — hence
+    the native erf where the namespace is one that has it (the array API standard has none).
     """
+    native = _native_erf(xp)
+    if native is not None:
+        return native(x)
     a = xp.clip(xp.abs(x), 0.0, _ERF_CLIP)
     a2 = a * a
     term = a
@@ -42,6 +49,21 @@ def erf(xp: Any, x: Any) -> Any:
     result = (2.0 / math.sqrt(math.pi)) * xp.exp(-a2) * total
     result = xp.minimum(result, xp.ones_like(result))
     return xp.where(x < 0, -result, result)
+
+
+def _native_erf(xp: Any) -> Any:
+    """The erf of namespace ``xp``'s library, for JAX and PyTorch (whose erf is accurate to a few ulp
+    and differentiable by their autodiff), else ``None``."""
+    name = getattr(xp, "__name__", "")
+    if name.startswith("jax"):
+        from jax.scipy.special import erf as jax_erf
+
+        return jax_erf
+    if name.startswith("array_api_compat.torch") or name == "torch":
+        import torch
+
+        return torch.special.erf
+    return None
 
 
 def sigmoid(xp: Any, z: Any) -> Any:
