@@ -63,6 +63,10 @@ GRU ``reset_after=``).  Arguments we cannot honour raise
 (``ValueError``, or an error that is both ``ValueError``/``TypeError`` and ``RuntimeError`` where
 the twin raises ``RuntimeError``: :mod:`portable_nn.adapters.torch.errors`).
 
+:func:`convert` turns a whole model's ``torch.nn`` layers into these modules in place (the same
+parameters: tied weights stay tied, an optimizer keeps working), fusing the activations that
+follow a layer in an ``nn.Sequential``.
+
 :class:`SyncBatchNorm` (with ``convert_sync_batchnorm``) normalises with the statistics of a
 data-parallel job's whole batch, merged across the ``torch.distributed`` process group, on CPU
 (``gloo``) as well as CUDA (``nccl``) tensors: :mod:`portable_nn.adapters.torch.distributed`.
@@ -87,6 +91,7 @@ from . import (
 )
 from ._ops import saved_pullbacks
 from .cells import CrossEntropyLoss, GRUCell, LSTMCell, RNNCell
+from .convert import convert
 from .distributed import SyncBatchNorm
 from .errors import InputTypeError, InputValueError
 from .functional import *  # noqa: F403  (one function per portable_nn op, generated from its description)
@@ -159,6 +164,7 @@ __all__ = [
     "RMSNorm",
     "RNNCell",
     "SyncBatchNorm",
+    "convert",
     "merge_moments",
     "saved_pullbacks",
 ]
