@@ -128,3 +128,40 @@ def test_subclasses_shared_layers_and_fuse_false_are_left_alone():
 def test_bad_input_is_refused_before_anything_changes():
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         pnt.convert([nn.Linear(2, 2)])
+
+
+def _tiny(transformers, name):
+    if name == "llama":
+        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=50,
+                                          max_position_embeddings=32)
+        return transformers.LlamaForCausalLM(config), 5
+    if name == "t5":
+        config = transformers.T5Config(d_model=16, d_ff=32, d_kv=8, num_layers=1, num_heads=2, vocab_size=50,
+                                       dropout_rate=0.0)
+        return transformers.T5ForConditionalGeneration(config), 7  # encoder 2 + final, decoder 3 + final
+    config = transformers.GemmaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=50, head_dim=8)
+    return transformers.GemmaForCausalLM(config), 0  # Gemma's RMS norm scales by 1 + weight: not ours
+
+
+@pytest.mark.parametrize("name", ["llama", "t5", "gemma"])
+def test_transformers_rms_norms_that_are_llama_s_or_t5_s_become_ours(name):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, expected = _tiny(transformers, name)
+    model.eval()
+    reference = copy.deepcopy(model)
+    norms = [type(m).__name__ for m in model.modules() if "RMSNorm" in type(m).__name__ or "LayerNorm" in
+             type(m).__name__]
+    pnt.convert(model)
+    assert sum(type(m) is pnt.RMSNorm for m in model.modules()) == expected, norms
+    tokens = torch.randint(0, 50, (2, 8))
+    extra = {"decoder_input_ids": tokens} if name == "t5" else {}
+    got, want = model(tokens, labels=tokens, **extra), reference(tokens, labels=tokens, **extra)
+    assert torch.allclose(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    got.loss.backward()
+    want.loss.backward()
+    for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
+        if q.grad is not None:
+            assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6 * float(q.grad.abs().max())), pname

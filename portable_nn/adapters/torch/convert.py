@@ -14,6 +14,13 @@ is copied or re-created:
 Subclasses of those ``torch.nn`` classes (timm's ``LayerNorm2d``, a model's own ``nn.Linear``
 subclass) are left alone: their ``forward`` is theirs, and swapping their class would drop it.
 
+Hugging Face transformers' RMS norms (``LlamaRMSNorm``, ``T5LayerNorm`` and the classes copied
+from them: Mistral's, Qwen's, Phi-3's …) become our ``RMSNorm`` with their ``variance_epsilon`` —
+those whose ``forward`` is, to the character, Llama's or T5's (``x · rsqrt(mean(x²) + eps) ·
+weight``); others, such as Gemma's (``1 + weight``), are left alone.  They compute in float32;
+ours in the input's precision (float32 for half inputs), so a float64 model's results move by
+float32's rounding.
+
 With ``fuse=True`` (the default), an activation module that directly follows a converted layer
 in an ``nn.Sequential`` (``Conv2d, BatchNorm2d, ReLU``: the ``ReLU`` after the batch norm) is fused
 into that layer's kernel — the layer gets ``activation=`` and the activation's slot becomes an
@@ -23,8 +30,10 @@ is fused: elsewhere the order of calls lives in a ``forward`` we cannot see.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
+import sys
 from typing import Any
 
 from torch import nn
@@ -84,13 +93,47 @@ def _fusable(module: nn.Module) -> bool:
     return isinstance(getattr(module, "activation", None), Activation) and module.activation.is_identity
 
 
+@functools.cache
+def _known_rms_forward(kind: type) -> bool:
+    """Whether transformers class ``kind``'s forward is Llama's or T5's RMS norm, character for character."""
+    try:
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+        from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+        known = {inspect.getsource(LlamaRMSNorm.forward), inspect.getsource(T5LayerNorm.forward)}
+        return inspect.getsource(kind.forward) in known
+    except (ImportError, AttributeError, OSError, TypeError):
+        return False
+
+
+def _transformers_rms_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is one of transformers' RMS norms that our RMSNorm computes (see the module
+    docstring): looked for only when transformers is imported already."""
+    kind = type(module)
+    if "transformers" not in sys.modules or not kind.__module__.startswith("transformers."):
+        return False
+    weight = getattr(module, "weight", None)
+    return (isinstance(weight, nn.Parameter) and weight.ndim == 1
+            and isinstance(getattr(module, "variance_epsilon", None), float) and _known_rms_forward(kind))
+
+
+def _become_rms_norm(module: nn.Module) -> None:
+    """A transformers RMS norm becomes our RMSNorm: nn.RMSNorm's attributes from its own."""
+    module.__class__ = modules.RMSNorm
+    module.normalized_shape = (int(module.weight.shape[0]),)
+    module.eps = float(module.variance_epsilon)
+    module.elementwise_affine = True
+    module.channel_axis = None
+
+
 def convert(model: nn.Module, *, fuse: bool = True) -> nn.Module:
     """Run ``model``'s ``torch.nn`` layers on portable_nn's kernels: convert it in place and return it.
 
     Each submodule (``model`` itself included) whose type is exactly a ``torch.nn`` class with a
     drop-in twin in :mod:`portable_nn.torch` becomes that twin, keeping its parameters, buffers,
-    hooks and mode (see the module docstring); with ``fuse``, activation modules that follow a
-    converted layer in an ``nn.Sequential`` are fused into it.
+    hooks and mode, and so do transformers' Llama- and T5-style RMS norms (see the module
+    docstring); with ``fuse``, activation modules that follow a converted layer in an
+    ``nn.Sequential`` are fused into it.
 
     Args:
         model: any ``torch.nn.Module``; changed in place.
@@ -115,7 +158,9 @@ def convert(model: nn.Module, *, fuse: bool = True) -> nn.Module:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     for module in list(model.modules()):
         ours = _DROP_INS.get(type(module))
-        if ours is not None:
+        if ours is None and _transformers_rms_norm(module):
+            _become_rms_norm(module)
+        elif ours is not None:
             module.__class__ = ours
             for name, value in _options(ours).items():
                 if name not in module._parameters:  # (``bias=``: a constructor choice, already made)
