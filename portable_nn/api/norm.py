@@ -552,21 +552,24 @@ def layer_norm(
 
 
 @public_op(grad_fields=("x", "weight"))
-def rms_norm(x: Array, weight: Array | None = None, *, axis: Axes = -1, eps: float = 1e-6) -> Any:
-    """Root-mean-square normalisation over ``axis``.
+def rms_norm(x: Array, weight: Array | None = None, *, axis: Axes = -1, eps: float = 1e-6,
+             activation: ActivationLike = "identity") -> Any:
+    """Root-mean-square normalisation over ``axis`` with a fused activation.
 
     Per position of the other axes, over the axes named by ``axis`` (usually the
     trailing ones; any set, as in :func:`layer_norm`):
 
-        y = x / sqrt(mean(x²) + eps) · weight
+        y = act(x / sqrt(mean(x²) + eps) · weight)
 
-    (no centring, no bias, no activation — as ``torch.nn.functional.rms_norm``).
+    (no centring, no bias — as ``torch.nn.functional.rms_norm`` followed by the activation).
 
     Args:
         x: any shape with at least the normalised axes.
         weight: the normalised shape ``x.shape[axis]``, or ``None`` for no scale.
         axis: int or tuple naming the normalised axes (see :func:`layer_norm`).
         eps: added to the mean square, > 0.
+        activation: fused activation, a name or an :class:`Activation` (see
+            :data:`portable_nn.ACTIVATIONS`), ``"identity"`` by default.
 
     Returns:
         ``y`` with ``x``'s shape and dtype.  float16/bfloat16 ``x`` may come with
@@ -581,8 +584,8 @@ def rms_norm(x: Array, weight: Array | None = None, *, axis: Axes = -1, eps: flo
 
     Gradients:
         ``vjp`` fields: ``(x, weight)``.  With r = 1 / sqrt(mean(x²) + eps), w = weight
-        (1 when ``None``), x̂ = x · r and means over the normalised axes: dweight = Σ dy
-        ⊙ x̂ over the other axes, dx = r · (dy·w − x̂ · mean(dy·w ⊙ x̂)).
+        (1 when ``None``), x̂ = x · r, g = dy ⊙ act'(x̂ · w) and means over the normalised
+        axes: dweight = Σ g ⊙ x̂ over the other axes, dx = r · (g·w − x̂ · mean(g·w ⊙ x̂)).
 
     Backends:
         as :func:`layer_norm`'s: the reference any axes, ``numba`` trailing axes and a
@@ -593,7 +596,7 @@ def rms_norm(x: Array, weight: Array | None = None, *, axis: Axes = -1, eps: flo
     axes, layout = _normalised_axes(axis, x)
     normalized = tuple(int(x.shape[i]) for i in axes)
     check_shape(weight, "weight", normalized, "the shape of the normalised axes of x")
-    params = _common_params(eps, "identity")
+    params = _common_params(eps, activation)
     params.update(
         _norm_params(axes=axes, view_shape=tuple(x.shape), param_shape=_param_shape(x, axes),
                      use_batch_stats=True, center=False, mixed=mixed, kind="rms_norm")

@@ -225,8 +225,7 @@ def check_against_torch(case: Any, p: NormProblem, seed: int) -> None:
     dy = case.asarray(to_layout(rng.standard_normal(p.shape), last))
     kwargs = dict(p.kwargs, **p.pnn_kwargs)
     torch_kwargs = dict(p.kwargs, **p.torch_kwargs)
-    if p.op != "rms_norm":
-        kwargs["activation"] = ACTIVATIONS[p.activation][0]
+    kwargs["activation"] = ACTIVATIONS[p.activation][0]
     if p.channel_axis is not None:
         kwargs["channel_axis"] = p.channel_axis
     running_mean = running_var = None
@@ -388,7 +387,8 @@ GRIDS = {
         {"shape": _LN_SHAPES, "axis": _AXES, "params": list(PARAMS)},
         {"shape": [(3, 4, 5)], "activation": _ACTS, "axis": _AXES, "params": ["wb", "none"]},
     ),
-    "rms_norm": ({"shape": _LN_SHAPES, "axis": _AXES, "params": list(RMS_PARAMS)}, None),
+    "rms_norm": ({"shape": _LN_SHAPES, "axis": _AXES, "params": list(RMS_PARAMS)},
+                 {"shape": [(3, 4, 5)], "activation": _ACTS, "axis": _AXES, "params": ["w", "none"]}),
 }
 
 
@@ -460,6 +460,12 @@ def test_layer_norm_activations_match_torch(case, cfg):
 @pytest.mark.parametrize("case", cases("rms_norm"))
 @pytest.mark.parametrize("cfg", structure_grid("rms_norm"))
 def test_rms_norm_matches_torch(case, cfg):
+    check_grid_point(case, "rms_norm", cfg)
+
+
+@pytest.mark.parametrize("case", cases("rms_norm"))
+@pytest.mark.parametrize("cfg", activation_grid("rms_norm"))
+def test_rms_norm_activations_match_torch(case, cfg):
     check_grid_point(case, "rms_norm", cfg)
 
 

@@ -123,6 +123,7 @@ def _become_rms_norm(module: nn.Module) -> None:
     module.normalized_shape = (int(module.weight.shape[0]),)
     module.eps = float(module.variance_epsilon)
     module.elementwise_affine = True
+    module.activation = parse_activation("identity")
     module.channel_axis = None
 
 
@@ -139,7 +140,7 @@ def convert(model: nn.Module, *, fuse: bool = True) -> nn.Module:
         model: any ``torch.nn.Module``; changed in place.
         fuse: keyword-only; fold an ``nn.ReLU``/``SiLU``/``GELU``/``Sigmoid``/``Tanh``/``LeakyReLU``/
             ``Hardswish``/``Hardsigmoid``/``ReLU6``/``Mish``/``ELU`` that directly follows a converted
-            layer with an ``activation=`` option (norms but RMSNorm, convolutions, Linear) in an
+            layer with an ``activation=`` option (norms, convolutions, Linear) in an
             ``nn.Sequential`` into that layer, its slot becoming ``nn.Identity`` (default ``True``).
 
     Returns:

@@ -138,26 +138,27 @@ class LayerNorm(_FusedRepr, nn.LayerNorm):
 class RMSNorm(_FusedRepr, nn.RMSNorm):
     """Drop-in ``torch.nn.RMSNorm`` running our fused RMS-norm kernels.
 
-    y = x / sqrt(mean(x²) + eps) · weight over the trailing ``normalized_shape``
+    y = act(x / sqrt(mean(x²) + eps) · weight) over the trailing ``normalized_shape``
     axes (or, with ``channel_axis``, those from ``channel_axis`` on, as in
     :class:`LayerNorm`); ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in
     PyTorch.  Constructor arguments, parameters and state_dict keys are ``torch.nn``'s;
-    ``channel_axis`` is keyword-only.
+    ``activation`` (``"identity"`` by default) and ``channel_axis`` are keyword-only.
     """
 
     _default_channel_axis = None
 
     def __init__(self, normalized_shape: int | Sequence[int], eps: float | None = None,
                  elementwise_affine: bool = True, device: Any = None, dtype: Any = None, *,
-                 channel_axis: int | None = None) -> None:
+                 activation: ActivationLike = "identity", channel_axis: int | None = None) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+        self.activation = parse_activation(activation)
         self.channel_axis = _check_norm_axis(channel_axis)
 
     def forward(self, input: Tensor) -> Tensor:
         """Normalise ``input`` over its ``normalized_shape`` axes (trailing, or from ``channel_axis``)."""
         axes = _normalised_axes(self, input)
         eps = torch.finfo(input.dtype).eps if self.eps is None else self.eps
-        return rms_norm(input, self.weight, axis=axes, eps=eps)
+        return rms_norm(input, self.weight, axis=axes, eps=eps, activation=self.activation)
 
 
 class GroupNorm(_FusedRepr, nn.GroupNorm):

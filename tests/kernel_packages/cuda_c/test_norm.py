@@ -58,6 +58,7 @@ def norm_specs():
          {"activation": ("leaky_relu", 0.2)}),
         ("rms", "rms_norm", (x3, r.standard_normal(10)), {}),
         ("rms-2axes", "rms_norm", (x3,), {"axis": (-2, -1), "eps": 1e-3}),
+        ("rms-silu", "rms_norm", (x3, r.standard_normal(10)), {"activation": "silu"}),
         ("batch-nchw-train", "batch_norm", (x4, r.standard_normal(4), r.standard_normal(4)),
          {"running_mean": r.standard_normal(4), "running_var": r.random(4) + 0.5, "activation": "silu"}),
         ("batch-nc", "batch_norm", (r.standard_normal((40, 5)), r.standard_normal(5), None), {"activation": "relu"}),
@@ -197,6 +198,7 @@ def rows_specs():
         ("layer-rows-2axes-leaky", "layer_norm", (r.standard_normal((3, 4, 100)), r.standard_normal((4, 100)), None),
          {"axis": (-2, -1), "activation": ("leaky_relu", 0.1)}),
         ("rms-rows", "rms_norm", (r.standard_normal((7, 48)), r.standard_normal(48)), {}),
+        ("rms-rows-mish", "rms_norm", (r.standard_normal((7, 48)), r.standard_normal(48)), {"activation": "mish"}),
         ("rms-rows-noparams", "rms_norm", (r.standard_normal((9, 256)),), {"eps": 1e-3}),
     ]
 

@@ -129,6 +129,7 @@ def _norm_cases():
         "layer_norm-leaky": ("layer_norm", (r.standard_normal((2, 9)), r.standard_normal(9), None),
                              {"activation": ("leaky_relu", 0.3)}),
         "rms_norm-weight": ("rms_norm", (r.standard_normal((3, 6)) + 1, r.standard_normal(6)), {}),
+        "rms_norm-gelu": ("rms_norm", (r.standard_normal((3, 6)) + 1, r.standard_normal(6)), {"activation": "gelu"}),
         "batch_norm-ncl-running-silu": ("batch_norm", (r.standard_normal((4, 3, 5)), r.standard_normal(3),
                                                       r.standard_normal(3)),
                                         {"running_mean": r.standard_normal(3), "running_var": r.random(3) + 0.5,
