@@ -98,12 +98,12 @@ def _write_plane(acc, y5, z5, n, o, bo, geo, keep_z, kind, code, slope):
 
 @njit(**_OPTS)
 def _write(acc, y5, z5, n, o, bo, geo, keep_z, code, slope):
+    """The identity or a rectifier (``kernels_cpu.conv`` applies every other activation as a pass
+    of its own over the output, so only these two loop nests are compiled)."""
     if code == IDENTITY:
         _write_plane(acc, y5, z5, n, o, bo, geo, keep_z, 0, code, slope)
-    elif is_rectifier(code):
-        _write_plane(acc, y5, z5, n, o, bo, geo, keep_z, 1, code, rectifier_slope(code, slope))
     else:
-        _write_plane(acc, y5, z5, n, o, bo, geo, keep_z, 2, code, slope)
+        _write_plane(acc, y5, z5, n, o, bo, geo, keep_z, 1, code, rectifier_slope(code, slope))
 
 
 @njit(inline="always", **_OPTS)

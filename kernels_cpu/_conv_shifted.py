@@ -227,12 +227,12 @@ def _epilogue_image(z, y5, bg, c0, n, base, p0, p1, og, hq, wq, oh_n, ow_n, od_n
 
 @njit(**_OPTS)
 def _epilogue(z, y5, b, g, p0, p1, geo, code, slope):
+    """The identity or a rectifier (``kernels_cpu.conv`` applies every other activation as a pass
+    of its own over the output, so only these two loop nests are compiled)."""
     if code == IDENTITY:
         _epilogue_lines(z, y5, b, g, p0, p1, geo, 0, code, slope)
-    elif is_rectifier(code):
-        _epilogue_lines(z, y5, b, g, p0, p1, geo, 1, code, rectifier_slope(code, slope))
     else:
-        _epilogue_lines(z, y5, b, g, p0, p1, geo, 2, code, slope)
+        _epilogue_lines(z, y5, b, g, p0, p1, geo, 1, code, rectifier_slope(code, slope))
 
 
 @njit(inline="always", **_OPTS)

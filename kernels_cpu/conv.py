@@ -212,10 +212,8 @@ def _epilogue(z, b, yf, yst, lg, g, l0, l1, last, code, slope):
     Channels first writes runs along the positions (reading a column of Z, in cache)."""
     if code == IDENTITY:
         _epilogue_loops(z, b, yf, yst, lg, g, l0, l1, last, 0, code, slope)
-    elif is_rectifier(code):
+    else:  # a rectifier: conv_forward applies the others as a pass of their own (Activated)
         _epilogue_loops(z, b, yf, yst, lg, g, l0, l1, last, 1, code, rectifier_slope(code, slope))
-    else:
-        _epilogue_loops(z, b, yf, yst, lg, g, l0, l1, last, 2, code, slope)
 
 
 @njit(inline="always", **_OPTS)
@@ -548,7 +546,10 @@ def _activated_backward(residuals, cotangents, needs, out):
 
 
 def _fused_forward(call):
-    """conv_forward on one of the three paths, the activation in its epilogue."""
+    """conv_forward on one of the three paths, the activation (the identity or a rectifier: their
+    epilogues compile no other) in its epilogue."""
+    if _vector_activation(call.activation):
+        raise AssertionError(f"{call.activation} runs as a pass of its own (conv_forward)")  # pragma: no cover
     x, weight = call.x, call.weight
     if _conv_direct.applies(call, weight.shape):
         plan = _plan(call, weight.shape, "direct")
