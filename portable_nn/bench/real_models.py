@@ -128,12 +128,24 @@ def _lstm_lm(dtype: str) -> tuple[Any, Callable[[Any], Any]]:
 
 
 #: How to install each optional library.  timm needs torchvision, whose wheels on PyPI are CUDA
-#: builds pinned to a CUDA torch: take the CPU wheel from PyTorch's index beside the CPU torch.
+#: builds pinned to a CUDA torch.  This hint was a command, `pip install timm torchvision --index-url
+#: https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple`: on 2026-12-07 it
+#: replaced torch 2.13.0+cpu by torch 2.14.1+cu130 and its CUDA libraries, and with torch pinned it
+#: installed a CUDA torchvision that does not load beside the CPU torch.  So it says what is needed
+#: instead of giving a command that can do harm.
 INSTALL = {
     "transformers": "pip install 'portable_nn[bench]'",
-    "timm": "pip install timm torchvision --index-url https://download.pytorch.org/whl/cpu "
-            "--extra-index-url https://pypi.org/simple",
+    "timm": "timm needs a torchvision built for this torch ({torch}): PyPI's torchvision wheels are CUDA builds "
+            "that replace a CPU torch or do not load beside it; install the torchvision wheel of the same release "
+            "from https://download.pytorch.org/whl/cpu (for a CPU torch), then pip install timm",
 }
+
+
+def _install_hint(library: str) -> str:
+    """How to install ``library``, with the torch in use where the hint pins it."""
+    import torch
+
+    return INSTALL[library].format(torch=torch.__version__)
 
 REAL_MODELS = [
     RealModel("resnet18 (16,3,64,64)", (), _resnet18),
@@ -162,7 +174,7 @@ def available_models(selectors: Sequence[str] | None = None) -> tuple[list[RealM
         missing = [lib for lib in model.requires if importlib.util.find_spec(lib) is None]
         if missing:
             lines.append(f"{model.name}: skipped, {' and '.join(missing)} not installed "
-                         f"({'; '.join(INSTALL[lib] for lib in missing)})")
+                         f"({'; '.join(_install_hint(lib) for lib in missing)})")
             continue
         if model.make is _resnet18 and importlib.util.find_spec("torchvision") is None:
             lines.append(f"{model.name}: torchvision not installed, ran the copy of its architecture in "
