@@ -163,15 +163,10 @@ _KIND_OPTS = {"cache": True, "error_model": "numpy", "nogil": True}
 # by LLVM: relu then branches on the data's sign and mispredicts half the time (35x slower
 # measured).  So the loop nests take a *kind*, passed as a literal by the entry points: 0
 # identity, 1 rectifier (relu, or leaky_relu: max-like selects once the literal is folded; relu
-# is the slope-0 case), 2 any other activation, whose libm calls dominate anyway and which goes
-# through one called (not inlined) function, so that every activation's code is compiled once
-# rather than into each loop nest.  Three copies of each loop nest, not one per activation,
-# keeps the compile time down.
-
-
-@njit(**_KIND_OPTS)
-def _act_any(v, code, slope):
-    return act(v, code, slope)
+# is the slope-0 case), 2 any other activation.  A forward applies kind 2 in the row functions
+# below (act_row on the written row, or a pass of its own), never per element, so apply_kind
+# takes 0 and 1 only; a gradient loop of kind 2 (conv's, for leaky_relu with a negative slope)
+# goes through one called (not inlined) function, compiled once rather than into each loop nest.
 
 
 @njit(**_KIND_OPTS)
@@ -192,12 +187,10 @@ def _dact_any(v, code, slope, from_output):
 
 @njit(inline="always", **_KIND_OPTS)
 def apply_kind(v, kind, code, slope):
-    """act(v) for a loop of the given kind (see above); kind 1 takes the rectifier's slope."""
+    """act(v) for a loop of kind 0 (identity) or 1 (a rectifier, with its slope): see above."""
     if kind == 0:
         return v
-    if kind == 1:
-        return v if v > 0.0 else slope * v + 0.0  # + 0.0: relu gives +0.0, as PyTorch does, not -0.0
-    return _act_any(v, code, slope)
+    return v if v > 0.0 else slope * v + 0.0  # + 0.0: relu gives +0.0, as PyTorch does, not -0.0
 
 
 @njit(inline="always", **_KIND_OPTS)

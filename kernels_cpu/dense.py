@@ -57,7 +57,9 @@ _OPTS = {"cache": True, "error_model": "numpy", "nogil": True}
 
 @njit(inline="always", **_OPTS)
 def _epilogue_rows(z, b, y, r0, r1, keep_z, kind, code, slope):
-    """Rows [r0, r1): z += b (kept) and y = act(z), or y = act(y + b) in place."""
+    """Rows [r0, r1): z += b (kept) and y = act(z), or y = act(y + b) in place.  Kind 2 (neither the
+    identity nor a rectifier) writes z + b per element, then act_row's vector loop along the row."""
+    each = 0 if kind == 2 else kind
     for i in range(r0, r1):
         zr = z[i]
         yr = y[i]
@@ -65,28 +67,12 @@ def _epilogue_rows(z, b, y, r0, r1, keep_z, kind, code, slope):
             for j in range(zr.shape[0]):
                 zr[j] += b[j]
             for j in range(zr.shape[0]):
-                yr[j] = apply_kind(np.float64(zr[j]), kind, code, slope)
+                yr[j] = apply_kind(np.float64(zr[j]), each, code, slope)
         else:
             for j in range(zr.shape[0]):
-                yr[j] = apply_kind(np.float64(zr[j] + b[j]), kind, code, slope)
-
-
-@njit(**_OPTS)
-def _epilogue_act_rows(z, b, y, r0, r1, keep_z, code, slope):
-    """Rows [r0, r1) for the activations that are neither the identity nor a rectifier: z + b
-    (kept in z, or written to y), then y = act(y) along each row in one vector loop."""
-    for i in range(r0, r1):
-        zr = z[i]
-        yr = y[i]
-        if keep_z:
-            for j in range(zr.shape[0]):
-                zr[j] += b[j]
-            for j in range(zr.shape[0]):
-                yr[j] = zr[j]
-        else:
-            for j in range(zr.shape[0]):
-                yr[j] = zr[j] + b[j]
-        act_row(yr, code, slope)
+                yr[j] = apply_kind(np.float64(zr[j] + b[j]), each, code, slope)
+        if kind == 2:
+            act_row(yr, code, slope)
 
 
 @njit(**_OPTS)
@@ -96,36 +82,27 @@ def _epilogue(z, b, y, r0, r1, keep_z, code, slope):
     elif is_rectifier(code):
         _epilogue_rows(z, b, y, r0, r1, keep_z, 1, code, rectifier_slope(code, slope))
     else:
-        _epilogue_act_rows(z, b, y, r0, r1, keep_z, code, slope)
+        _epilogue_rows(z, b, y, r0, r1, keep_z, 2, code, slope)
 
 
 @njit(inline="always", **_OPTS)
 def _grad_rows(dy, k, g, db, r0, r1, kind, code, slope, from_output):
     """Rows [r0, r1): g = dy · act'(k), and db += Σ_rows g in float64 (row by row, in order; the
-    row is summed in a second loop while in cache, so stores and sums do not serialise)."""
+    row is summed in a second loop while in cache, so stores and sums do not serialise).  Kind 2
+    copies dy, then multiplies by act' in act_grad_row's (or, from y, act_grad_from_output_row's)
+    vector loop along the row."""
+    each = 0 if kind == 2 else kind
     for i in range(r0, r1):
         d = dy[i]
         kv = k[i]
         gr = g[i]
         for j in range(d.shape[0]):
-            gr[j] = d[j] * deriv_kind(np.float64(kv[j]), kind, code, slope, from_output)
-        for j in range(d.shape[0]):
-            db[j] += gr[j]
-
-
-@njit(**_OPTS)
-def _grad_act_rows(dy, k, g, db, r0, r1, code, slope, from_output):
-    """Rows [r0, r1) of g = dy · act'(k) for the other activations (k is y when ``from_output``,
-    else z), one vector loop per row, and db += Σ_rows g in float64 as _grad_rows sums it."""
-    for i in range(r0, r1):
-        d = dy[i]
-        gr = g[i]
-        for j in range(d.shape[0]):
-            gr[j] = d[j]
-        if from_output:
-            act_grad_from_output_row(k[i], gr, code, slope)
-        else:
-            act_grad_row(k[i], gr, code, slope)
+            gr[j] = d[j] * deriv_kind(np.float64(kv[j]), each, code, slope, from_output)
+        if kind == 2:
+            if from_output:
+                act_grad_from_output_row(kv, gr, code, slope)
+            else:
+                act_grad_row(kv, gr, code, slope)
         for j in range(d.shape[0]):
             db[j] += gr[j]
 
@@ -137,7 +114,7 @@ def _grad(dy, k, g, db, r0, r1, code, slope, from_output):
     elif is_rectifier(code) and from_output:
         _grad_rows(dy, k, g, db, r0, r1, 1, code, rectifier_slope(code, slope), from_output)
     else:
-        _grad_act_rows(dy, k, g, db, r0, r1, code, slope, from_output)
+        _grad_rows(dy, k, g, db, r0, r1, 2, code, slope, from_output)
 
 
 # --------------------------------------------------------------------------- serial kernels (product included)

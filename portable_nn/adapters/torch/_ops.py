@@ -673,7 +673,7 @@ class _EagerFullOp(torch.autograd.Function):
     def forward(ctx: Any, op: _OpDef, lengths: tuple[int, ...] | None, *flat: Any) -> Any:
         args = _gathered(lengths, flat)
         bound = _detached(op.bind(args))
-        flags = _flags(op, lengths, ctx.needs_input_grad[2:], len(flat))
+        flags = _flags(op, lengths, ctx.needs_input_grad[2:], _starts(lengths, len(flat)))
         want = frozenset(op.field_of[n] for n, _ in op.tensor_args if n in op.field_of and any(flags.get(n, ())))
         want &= op.available(op, bound)
         pargs, pkwargs = op.to_pnn(bound, False)
@@ -710,7 +710,8 @@ class _EagerFullOp(torch.autograd.Function):
         op, lengths = ctx.pnn_op, ctx.pnn_lengths
         position = op.position
         count = len(ctx.needs_input_grad) - 2
-        flags = _flags(op, lengths, ctx.needs_input_grad[2:], count)
+        starts = _starts(lengths, count)
+        flags = _flags(op, lengths, ctx.needs_input_grad[2:], starts)
         for name in ctx.pnn_given:
             if name not in op.field_of and any(flags.get(name, ())):
                 # As PyTorch does for F.cross_entropy's class weights: refuse rather than return a zero gradient.
@@ -720,7 +721,6 @@ class _EagerFullOp(torch.autograd.Function):
             return tuple(result)
         handle, *kept = ctx.saved_tensors
         wanted = [name for name in ctx.pnn_given if op.field_of.get(name) in ctx.pnn_want and any(flags[name])]
-        starts = _starts(lengths, count)
         if torch.is_grad_enabled():  # create_graph=True: differentiable gradients (see the higher-order section)
             bound = dict(zip(op.arg_names, ctx.pnn_static))
             at = 0
@@ -744,10 +744,10 @@ class _EagerFullOp(torch.autograd.Function):
         return tuple(result)
 
 
-def _flags(op: _OpDef, lengths: tuple[int, ...] | None, needs: Sequence[bool], count: int) -> dict[str, Any]:
+def _flags(op: _OpDef, lengths: tuple[int, ...] | None, needs: Sequence[bool], starts: list[int]) -> dict[str, Any]:
     """Whether autograd wants each tensor argument's gradient: ``(flag,)`` for a tensor, one flag per
-    tensor for a list argument (``needs``: autograd's flags for the spread arguments)."""
-    starts = _starts(lengths, count)
+    tensor for a list argument (``needs``: autograd's flags for the spread arguments, each argument's
+    first at ``starts``, :func:`_starts`)."""
     result: dict[str, Any] = {}
     for name, _ in op.tensor_args:
         k = op.position[name]

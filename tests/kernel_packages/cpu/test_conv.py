@@ -176,6 +176,16 @@ def _unwrapped(residuals):
     return residuals, kept
 
 
+def _check_kept(kept_array, kept, y):
+    """What the backward reads act' from: nothing (identity), y itself, or a z of y's shape of its own."""
+    if kept is None:
+        assert kept_array is None
+    elif kept == "y":
+        assert kept_array is y
+    else:
+        assert kept_array.shape == y.shape and not np.shares_memory(kept_array, y)
+
+
 @pytest.mark.parametrize("act, kept", [("identity", None), ("relu", "y"), ("tanh", "y"), ("gelu", "z")])
 def test_conv_residuals_are_modest(act, kept):
     """No im2col buffer is kept: the (padded) input, the weight matrix and y or z only."""
@@ -191,12 +201,7 @@ def test_conv_residuals_are_modest(act, kept):
     assert inner_kept is None or kept_array is inner_kept
     assert np.shares_memory(xp, x)  # no padding here: the input itself
     assert w3.size == w.size
-    if kept is None:
-        assert kept_array is None
-    elif kept == "y":
-        assert kept_array is y
-    else:
-        assert kept_array.shape == y.shape and not np.shares_memory(kept_array, y)
+    _check_kept(kept_array, kept, y)
 
 
 def test_conv_lenet_first_layer_takes_the_direct_loops():
@@ -231,12 +236,7 @@ def test_conv_shifted_residuals(act, kept):
     residuals, kept_array = _unwrapped(residuals)
     assert isinstance(residuals, ks.Residuals)
     assert residuals.xs.size <= 1.3 * x.size and residuals.wk.size == w.size
-    if kept is None:
-        assert kept_array is None
-    elif kept == "y":
-        assert kept_array is y
-    else:
-        assert kept_array.shape == y.shape and not np.shares_memory(kept_array, y)
+    _check_kept(kept_array, kept, y)
 
 
 def test_conv_resnet_layer_float32_matches_reference():
